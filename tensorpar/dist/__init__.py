@@ -1,0 +1,29 @@
+"""tensorpar.dist: process groups, the local launcher, autograd-aware collectives and the ledger.
+
+The only package that calls torch.distributed. Every collective takes its group explicitly
+(``group=None``: the default, world group).
+"""
+from tensorpar.dist.collectives import all_gather, broadcast, reduce_scatter
+from tensorpar.dist.collectives import all_reduce
+from tensorpar.dist.groups import barrier, broadcast_object, get_backend, get_rank, get_world_size, is_initialized, new_group
+from tensorpar.dist.launcher import LaunchTimeoutError, RankFailedError, init_from_env, launch, resolve_backend
+from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
+from tensorpar.dist.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+
+__all__ = [
+    "launch", "init_from_env", "resolve_backend", "RankFailedError", "LaunchTimeoutError",
+    "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "is_initialized",
+    "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+    "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "ledger", "Ledger", "CollectiveRecord", "ring_bytes_sent",
+]

@@ -1,0 +1,119 @@
+"""Raw collectives on torch.distributed, each recorded in the open ledger (if any).
+
+These are the only calls into torch.distributed's collectives; the autograd-aware operators in
+:mod:`tensorpar.dist.mappings` are built on them. All take the group explicitly (``None``: world).
+
+gloo has no native reduce-scatter in every torch build; there it is a ring over point-to-point
+sends (p - 1 steps, each sending one chunk of N/p), so the bytes it really sends are the
+``(p - 1)/p * N`` the ledger records.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+
+from tensorpar.dist.ledger import active_ledger
+
+_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+def group_size(group=None) -> int:
+    return tdist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    return tdist.get_rank(group)
+
+
+def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, shape=None) -> None:
+    led = active_ledger()
+    if led is not None:
+        led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape)
+
+
+def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
+               module: str | None = None) -> torch.Tensor:
+    """In-place all-reduce of ``x`` (no autograd); returns ``x``."""
+    if op not in _OPS:
+        raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
+    if group_size(group) == 1:
+        return x
+    _record("all_reduce", x, group, phase, module)
+    tdist.all_reduce(x, op=_OPS[op], group=group)
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
+               module: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()  # (d, ...): all_gather_single concatenates dim 0
+    out = moved.new_empty((p * moved.shape[0], *moved.shape[1:]))  # (p*d, ...)
+    _record("all_gather", out, group, phase, module)
+    tdist.all_gather_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
+                   module: str | None = None) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's chunk of ``dim`` (size ``x.shape[dim] // p``)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    check_divisible(x, dim, p, "reduce_scatter")
+    moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
+    _record("reduce_scatter", moved, group, phase, module)
+    if tdist.get_backend(group) == "gloo":
+        out = _ring_reduce_scatter(moved, group)
+    else:
+        out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
+        tdist.reduce_scatter_single(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def _ring_reduce_scatter(moved: torch.Tensor, group) -> torch.Tensor:
+    """Ring reduce-scatter over point-to-point sends: step k sends chunk (r-k-1) to the right.
+
+    After p-1 steps rank r holds chunk r summed over all ranks (each chunk travelled the ring once).
+    """
+    p, r = group_size(group), group_rank(group)
+    chunks = [c.clone() for c in moved.chunk(p, dim=0)]  # p x (c, ...)
+    right = tdist.get_global_rank(group, (r + 1) % p) if group is not None else (r + 1) % p
+    left = tdist.get_global_rank(group, (r - 1) % p) if group is not None else (r - 1) % p
+    incoming = torch.empty_like(chunks[0])
+    for k in range(p - 1):
+        ops = [tdist.P2POp(tdist.isend, chunks[(r - k - 1) % p], right, group),
+               tdist.P2POp(tdist.irecv, incoming, left, group)]
+        for work in tdist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[(r - k - 2) % p].add_(incoming)
+    return chunks[r]
+
+
+def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None = None) -> torch.Tensor:
+    """In-place broadcast from group rank ``src``."""
+    if group_size(group) == 1:
+        return x
+    _record("broadcast", x, group, "forward", module)
+    global_src = tdist.get_global_rank(group, src) if group is not None else src
+    tdist.broadcast(x, src=global_src, group=group)
+    return x
+
+
+def split_own(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This rank's contiguous chunk of ``dim`` (no communication)."""
+    p = group_size(group)
+    if p == 1:
+        return x
+    check_divisible(x, dim, p, "split")
+    return x.chunk(p, dim=dim)[group_rank(group)].contiguous()
+
+
+def check_divisible(x: torch.Tensor, dim: int, p: int, what: str) -> None:
+    size = x.shape[dim]
+    if size % p:
+        valid = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(f"{what}: dimension {dim} of size {size} does not divide by the group size {p}; "
+                         f"group sizes that divide it: {valid}")

@@ -1,0 +1,227 @@
+"""Run a function on several ranks: local spawn with fail-fast, or under torchrun.
+
+``launch(fn, world_size, *args)`` spawns ``world_size`` processes on this machine, joins them in
+one process group (rendezvous over a ``file://`` store in a private temporary directory), calls
+``fn(*args)`` on every rank and returns the results in rank order. Under ``torchrun`` (env://
+rendezvous, one or several nodes) the same call runs ``fn`` on this process only and gathers
+every rank's result, so user code is the same in both cases.
+
+Fail-fast: the parent watches every rank. The first rank that raises or dies (a signal, an exit,
+the OOM killer) makes the parent stop all the others and raise :class:`RankFailedError` naming
+that rank and its exception. Collectives carry ``timeout`` seconds, and ``deadline`` bounds the
+whole launch, so nothing waits forever; children also ask the kernel to kill them if the parent
+dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as tdist
+
+_POLL_S = 0.05
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; the launch was stopped. ``rank``, ``exc_type``, ``detail`` say which and why."""
+
+    def __init__(self, rank: int, exc_type: str, detail: str, remote_traceback: str = ""):
+        self.rank, self.exc_type, self.detail, self.remote_traceback = rank, exc_type, detail, remote_traceback
+        msg = f"rank {rank} failed: {exc_type}: {detail}"
+        super().__init__(msg + (f"\n--- traceback on rank {rank} ---\n{remote_traceback}" if remote_traceback else ""))
+
+
+class LaunchTimeoutError(TimeoutError):
+    """The launch ran past its deadline; every rank was stopped."""
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    valid = ("auto", "gloo", "nccl")
+    if backend not in valid:
+        raise ValueError(f"backend {backend!r} is not supported; valid: {', '.join(valid)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"backend 'nccl' needs {world_size} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}; use backend='gloo'")
+    return backend
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, int]:
+    """Join the process group torchrun describes (env://); returns ``(rank, world_size)``."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if not tdist.is_initialized():
+        backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        tdist.init_process_group(backend, init_method="env://",
+                                 timeout=datetime.timedelta(seconds=timeout))
+    return tdist.get_rank(), tdist.get_world_size()
+
+
+def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
+           deadline: float | None = None) -> list:
+    """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
+
+    ``timeout``: seconds any one collective may wait. ``deadline``: seconds the whole launch may
+    take (``None``: no limit beyond the collectives' timeout). ``fn`` must be picklable (a
+    module-level function) and return a picklable value; tensors come back on the CPU.
+    """
+    _check_launch_args(fn, world_size, timeout, deadline)
+    if under_torchrun():
+        return _run_under_torchrun(fn, world_size, args, backend, timeout)
+    backend = resolve_backend(backend, world_size)
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue" = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="tensorpar-rdzv-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
+                             args=(rank, world_size, store, backend, timeout, fn, args, results))
+                 for rank in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, deadline)
+        finally:
+            _stop_all(procs)
+            results.close()
+
+
+def _check_launch_args(fn, world_size, timeout, deadline) -> None:
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    if deadline is not None and not deadline > 0:
+        raise ValueError(f"deadline must be positive seconds or None, got {deadline!r}")
+
+
+def _collect(procs, results, deadline) -> list:
+    out, t_end = {}, (time.monotonic() + deadline) if deadline else None
+    while len(out) < len(procs):
+        failure = _receive(results, out, wait=_POLL_S)
+        dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+        if failure or dead:
+            raise _root_cause(procs, results, out, failure)
+        if t_end is not None and time.monotonic() > t_end:
+            missing = [r for r in range(len(procs)) if r not in out]
+            raise LaunchTimeoutError(f"launch passed its deadline of {deadline:g}s; ranks {missing} "
+                                     f"had not finished and were stopped")
+    return [out[r] for r in range(len(procs))]
+
+
+def _receive(results, out: dict, wait: float) -> "RankFailedError | None":
+    """Take one message if any arrives within ``wait``; returns a rank's failure, if it was one."""
+    try:
+        rank, status, payload = results.get(timeout=wait)
+    except queue.Empty:
+        return None
+    if status == "error":
+        return RankFailedError(rank, *payload)
+    out[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    return None
+
+
+# gloo/NCCL messages of a rank that only saw its peer go away: a consequence, not the cause.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "timed out", "Timeout")
+
+
+def _root_cause(procs, results, out, first) -> RankFailedError:
+    """The failure to report: a rank that died without a word, else one that raised by itself.
+
+    When one rank fails, its peers fail too (their collectives lose the connection). Wait a
+    moment for every message, then prefer the cause over its echoes.
+    """
+    failures = [first] if first else []
+    t_grace = time.monotonic() + 1.0
+    while time.monotonic() < t_grace:
+        f = _receive(results, out, wait=_POLL_S)
+        if f:
+            failures.append(f)
+    reported = {f.rank for f in failures}
+    for rank, p in enumerate(procs):
+        if rank not in out and rank not in reported and p.exitcode is not None:
+            return _died(rank, p)
+    own = [f for f in failures if not any(s in f.detail for s in _PEER_LOSS)]
+    return (own or failures)[0]
+
+
+def _died(rank: int, proc) -> RankFailedError:
+    code = proc.exitcode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return RankFailedError(rank, "RankDied", f"process {proc.pid} {how} before returning a result")
+
+
+def _stop_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's terminate/kill still stops this rank
+
+
+def _rank_main(rank, world_size, store, backend, timeout, fn, args, results) -> None:
+    _die_with_parent()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                 timeout=datetime.timedelta(seconds=timeout))
+        value = fn(*args)
+        buf = io.BytesIO()
+        torch.save(_to_cpu(value), buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
+        results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        raise SystemExit(1)
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _run_under_torchrun(fn, world_size, args, backend, timeout) -> list:
+    rank, env_world = init_from_env(backend, timeout)
+    if env_world != world_size:
+        raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}; "
+                         f"pass world_size={env_world}")
+    value = _to_cpu(fn(*args))
+    gathered = [None] * env_world
+    tdist.all_gather_object(gathered, value)
+    return gathered

@@ -1,0 +1,136 @@
+"""The communication ledger: every collective this rank issues, with the bytes it sends.
+
+``with ledger() as led:`` opens a recording scope on this process; collectives issued inside it
+(through :mod:`tensorpar.dist.collectives`) append a :class:`CollectiveRecord`. Bytes sent per
+rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.md"):
+
+    all-reduce                  2 (p - 1) / p * N
+    all-gather, reduce-scatter      (p - 1) / p * N
+    broadcast (pipelined ring)             N  (non-root ranks forward what they receive)
+
+where N is the full tensor's bytes: the all-reduced tensor, the all-gather's result, the
+reduce-scatter's input.
+
+While a ledger is open, global module hooks keep a stack of the modules being run, so each record
+names the innermost module that issued it; a collective issued in backward is named after the
+forward that created it. With no ledger open nothing is recorded and no hook is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# The open ledger of this execution context. A ContextVar rather than a module global: it is
+# scoped by the `with` block that sets it, and threads or tasks never see each other's.
+_ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("tensorpar_ledger", default=None)
+
+
+def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends for ``op`` on ``payload_bytes`` over a ring of ``group_size`` ranks."""
+    p = group_size
+    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+               "broadcast": 1.0 if p > 1 else 0.0}
+    if op not in factors:
+        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(factors)}")
+    sent = factors[op] * payload_bytes
+    return int(sent) if sent.is_integer() else sent
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    op: str
+    module: str
+    phase: str  # "forward" or "backward"
+    shape: tuple
+    dtype: str
+    group_size: int
+    payload_bytes: int
+    bytes_sent: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass
+class Ledger:
+    """Records of the collectives issued while open, with summaries."""
+
+    names: dict = field(default_factory=dict)  # id(module) -> qualified name
+    records: list = field(default_factory=list)
+    _stack: list = field(default_factory=list)
+
+    def current_module(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def record(self, op: str, tensor: torch.Tensor, group_size: int, *, phase: str, module: str | None = None,
+               shape: tuple | None = None) -> None:
+        shape = tuple(tensor.shape) if shape is None else tuple(shape)
+        numel = 1
+        for d in shape:
+            numel *= d
+        payload = numel * tensor.element_size()
+        self.records.append(CollectiveRecord(
+            op=op, module=self.current_module() if module is None else module, phase=phase, shape=shape,
+            dtype=str(tensor.dtype).removeprefix("torch."), group_size=group_size,
+            payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size)))
+
+    def total_bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    def by_module(self) -> dict:
+        return _summarise(self.records, lambda r: r.module)
+
+    def by_op(self) -> dict:
+        return _summarise(self.records, lambda r: r.op)
+
+    def to_dict(self) -> dict:
+        return {"records": [r.to_dict() for r in self.records], "by_module": self.by_module(),
+                "by_op": self.by_op(), "total_bytes_sent": self.total_bytes_sent()}
+
+    def _push(self, module, _inputs):
+        self._stack.append(self.names.get(id(module), type(module).__name__))
+
+    def _pop(self, module, _inputs, _output):
+        if self._stack:
+            self._stack.pop()
+
+
+def _summarise(records, key) -> dict:
+    out = defaultdict(lambda: {"count": 0, "payload_bytes": 0, "bytes_sent": 0})
+    for r in records:
+        s = out[key(r)]
+        s["count"] += 1
+        s["payload_bytes"] += r.payload_bytes
+        s["bytes_sent"] += r.bytes_sent
+    return dict(out)
+
+
+def active_ledger() -> Ledger | None:
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def ledger(model: torch.nn.Module | None = None):
+    """Record every collective issued on this rank inside the block.
+
+    ``model``: name records by ``model.named_modules()`` (e.g. ``"layers.0.mlp.down_proj"``);
+    without it, by class name. Ledgers nest: the inner one records, the outer resumes after.
+    """
+    led = Ledger(names={id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model else {})
+    from torch.nn.modules import module as nn_module
+
+    pre = nn_module.register_module_forward_pre_hook(led._push)
+    post = nn_module.register_module_forward_hook(led._pop, always_call=True)
+    token = _ACTIVE.set(led)
+    try:
+        yield led
+    finally:
+        _ACTIVE.reset(token)
+        pre.remove()
+        post.remove()

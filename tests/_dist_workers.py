@@ -1,0 +1,136 @@
+"""Module-level worker functions for tests/test_dist_*.py (spawned ranks must import them)."""
+import os
+import time
+
+import torch
+
+from tensorpar import dist
+
+
+def _seeded(shape, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def mappings_worker(shapes):
+    """Each operator's forward and backward against the same computation done densely on one rank."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    report = []
+    for i, shape in enumerate(shapes):
+        # Every rank builds all ranks' inputs from the same seed, so the dense result is known locally.
+        xs = [_seeded(shape, 100 * i + k) for k in range(p)]
+        gs = [_seeded(shape, 10_000 + 100 * i + k) for k in range(p)]
+        x = xs[r].clone().requires_grad_(True)
+        y = dist.copy_to_tp_region(x)
+        y.backward(gs[r])
+        report.append(("copy_fwd", torch.equal(y, xs[r])))
+        report.append(("copy_bwd", _close(x.grad, sum(gs))))
+
+        x = xs[r].clone().requires_grad_(True)
+        y = dist.reduce_from_tp_region(x)
+        y.backward(gs[r])
+        report.append(("reduce_fwd", _close(y, sum(xs))))
+        report.append(("reduce_bwd", torch.equal(x.grad, gs[r])))
+
+        full = xs[0]
+        x = full.clone().requires_grad_(True)
+        y = dist.scatter_to_tp_region(x)
+        g_shard = gs[r].chunk(p, dim=-1)[r]
+        y.backward(g_shard)
+        report.append(("scatter_fwd", torch.equal(y, full.chunk(p, dim=-1)[r])))
+        report.append(("scatter_bwd", torch.equal(x.grad, torch.cat([gs[k].chunk(p, -1)[k] for k in range(p)], -1))))
+
+        x = xs[r].chunk(p, dim=-1)[0].clone().requires_grad_(True)
+        y = dist.gather_from_tp_region(x)
+        y.backward(gs[0])
+        expect = torch.cat([xs[k].chunk(p, dim=-1)[0] for k in range(p)], dim=-1)
+        report.append(("gather_fwd", torch.equal(y, expect)))
+        report.append(("gather_bwd", torch.equal(x.grad, gs[0].chunk(p, dim=-1)[r])))
+
+        x = xs[r].clone().requires_grad_(True)  # (B, T, H) per rank = a sequence shard
+        y = dist.gather_from_sequence_parallel_region(x)
+        g_full = torch.cat([gs[k] for k in range(p)], dim=1)  # each rank's grad of the full sequence
+        y.backward(g_full * (r + 1))
+        report.append(("sp_gather_fwd", torch.equal(y, torch.cat(xs, dim=1))))
+        summed = sum((k + 1) * g_full for k in range(p))
+        report.append(("sp_gather_bwd", _close(x.grad, summed.chunk(p, dim=1)[r])))
+
+        x = torch.cat(xs, dim=1)[:, :, :].clone().mul(r + 1).requires_grad_(True)  # (B, p*T, H) partial
+        y = dist.reduce_scatter_to_sequence_parallel_region(x)
+        y.backward(gs[r])
+        total = sum((k + 1) * torch.cat(xs, dim=1) for k in range(p))
+        report.append(("sp_rs_fwd", _close(y, total.chunk(p, dim=1)[r])))
+        report.append(("sp_rs_bwd", torch.equal(x.grad, torch.cat(gs, dim=1))))
+
+        x = torch.cat(xs, dim=1).clone().requires_grad_(True)
+        y = dist.scatter_to_sequence_parallel_region(x)
+        y.backward(gs[r])
+        report.append(("sp_scatter_fwd", torch.equal(y, xs[r])))
+        report.append(("sp_scatter_bwd", torch.equal(x.grad, torch.cat(gs, dim=1))))
+    return report
+
+
+def _close(a, b):
+    # Sums of p float64 terms in a different order: error <= p * eps * sum|terms|.
+    return torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+class Block(torch.nn.Module):
+    """copy -> linear -> reduce: the f/g pattern of a tensor-parallel layer pair."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.inner = torch.nn.Linear(h, h, dtype=torch.float64)
+
+    def forward(self, x):
+        return dist.reduce_from_tp_region(self.inner(dist.copy_to_tp_region(x)))
+
+
+def ledger_worker(shape):
+    p = dist.get_world_size()
+    block = Block(shape[-1])
+    x = _seeded(shape, 1).requires_grad_(True)
+    with dist.ledger(model=block) as led:
+        block(x).sum().backward()
+        g = dist.gather_from_tp_region(x.detach())
+        rs = dist.reduce_scatter(torch.cat([x.detach()] * p, dim=1), dim=1)
+        m = dist.all_reduce(x.detach().clone(), op="max")
+    outside = dist.reduce_from_tp_region(x.detach())  # no ledger open: must not be recorded
+    return {"records": [r.to_dict() for r in led.records], "by_op": led.by_op(),
+            "by_module": led.by_module(), "total": led.total_bytes_sent(),
+            "shapes": [tuple(g.shape), tuple(rs.shape), tuple(m.shape), tuple(outside.shape)]}
+
+
+def subgroup_worker():
+    """Two tp groups of 2 inside a world of 4: a reduction stays inside its group."""
+    r = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = groups[r // 2]
+    x = torch.full((2, 4), float(r), dtype=torch.float64)
+    y = dist.reduce_from_tp_region(x, mine)
+    rs = dist.reduce_scatter(torch.arange(8, dtype=torch.float64).reshape(1, 8) * (r + 1), dim=1, group=mine)
+    return y[0, 0].item(), rs.tolist(), dist.get_rank(mine), dist.get_world_size(mine)
+
+
+def raising_worker(bad_rank):
+    if dist.get_rank() == bad_rank:
+        raise KeyError("boom on purpose")
+    dist.all_reduce(torch.ones(3))  # the healthy ranks block here until stopped
+    time.sleep(60)
+    return "unreachable"
+
+
+def dying_worker(bad_rank):
+    if dist.get_rank() == bad_rank:
+        os.kill(os.getpid(), 9)
+    dist.all_reduce(torch.ones(3))
+    time.sleep(60)
+    return "unreachable"
+
+
+def pid_worker():
+    return os.getpid()
+
+
+def sleepy_worker():
+    time.sleep(60)
