@@ -1,0 +1,310 @@
+"""Column-, row- and vocab-parallel layers (Shoeybi et al. 2019, "Megatron-LM", sec. 3).
+
+Row-vector convention ``Y = X A``, ``A: (in, out)``; modules store ``weight = A.T: (out, in)`` as
+``nn.Linear`` does, so a shard is a slice of a Hugging Face weight. Every layer initialises the
+full master weight from the torch RNG and slices it (tp=1 and tp=p give the same model from one
+seed), or slices an existing dense module with ``from_dense``. Collectives go through
+``tensorpar.dist``; ``N`` below is the byte size of the named tensor, ``p`` the tp size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorpar import dist
+from tensorpar.nn.partition import divide, padded_range, padded_size
+from tensorpar.nn.validation import (check_dtype, check_ids, check_last_dim, check_positive,
+                                     check_seq_divisible, check_sequence_input)
+
+
+def tp_info(tp_group) -> tuple[int, int]:
+    """``(tp_size, tp_rank)`` of this process in ``tp_group`` (None: the world group)."""
+    return dist.get_world_size(group=tp_group), dist.get_rank(group=tp_group)
+
+
+def enter_tp_region(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of column-parallel work, replicated on every rank of the group.
+
+    Without sequence parallelism X is already replicated: identity forward, all-reduce of dX
+    backward (Megatron's f). With it X arrives as ``(B, T/p, H)``: all-gather to ``(B, T, H)``
+    forward, reduce-scatter of dX backward.
+    """
+    if sequence_parallel:
+        return dist.gather_from_sequence_parallel_region(x, group=tp_group, dim=1)
+    return dist.copy_to_tp_region(x, group=tp_group)
+
+
+def _param(t: torch.Tensor | None, requires_grad: bool = True) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t.detach().clone().contiguous(), requires_grad)
+
+
+def _rows(t: torch.Tensor, start: int, end: int, per_partition: int) -> torch.Tensor:
+    """Rows ``[start, end)`` of ``t`` zero-padded to ``per_partition`` rows."""
+    shard = t.new_zeros((per_partition, *t.shape[1:]))
+    shard[: end - start] = t[start:end]
+    return shard
+
+
+def _master_linear(in_features, out_features, bias, init_method, dtype, device) -> nn.Linear:
+    """The full dense layer, drawn from the torch RNG exactly as ``nn.Linear`` draws it.
+
+    With ``init_method`` (a callable filling a tensor in place, as Megatron's), the weight comes
+    from it and the bias is zero.
+    """
+    check_positive(in_features, "in_features")
+    check_positive(out_features, "out_features")
+    master = nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
+    if init_method is not None:
+        with torch.no_grad():
+            init_method(master.weight)
+            if master.bias is not None:
+                master.bias.zero_()
+    return master
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b``, ``A = [A_1 ... A_p]`` split along out_features.
+
+    Rank i holds ``A_i: (in, out/p)`` (``weight: (out/p, in)``) and ``b_i``, and computes
+    ``Y_i = X A_i + b_i: (..., out/p)``.
+
+    - forward: no communication unless ``gather_output`` (all-gather of Y, sends (p-1)/p * N_Y);
+      with ``sequence_parallel`` X arrives split along the sequence and is all-gathered first
+      ((p-1)/p * N_X).
+    - backward: all-reduce of dX (2(p-1)/p * N_X), since rank i only has the partial
+      ``dY_i A_i^T``; with ``sequence_parallel`` a reduce-scatter of dX instead ((p-1)/p * N_X).
+
+    ``skip_input_comm=True``: the caller has already entered the tensor-parallel region (one
+    copy or sequence gather shared by several column-parallel linears, as in ParallelMLP) and
+    owns the backward reduction. ``pad_out_features=True`` pads an out_features that does not
+    divide by p (docs/architecture.md rule); padded outputs are zero and a gathered output is
+    trimmed back to out_features.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group=None,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 skip_input_comm: bool = False, pad_out_features: bool = False,
+                 init_method=None, dtype=None, device=None):
+        super().__init__()
+        self._configure(in_features, out_features, tp_group, gather_output, sequence_parallel,
+                        skip_input_comm, pad_out_features)
+        master = _master_linear(in_features, out_features, bias, init_method, dtype, device)
+        self._load(master.weight, master.bias, requires_grad=True)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, tp_group=None, gather_output: bool = False,
+                   sequence_parallel: bool = False, skip_input_comm: bool = False,
+                   pad_out_features: bool = False) -> "ColumnParallelLinear":
+        """This rank's shard of ``linear``: weight rows (output features) of this rank."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(linear.in_features, linear.out_features, tp_group, gather_output,
+                        sequence_parallel, skip_input_comm, pad_out_features)
+        self._load(linear.weight, linear.bias, linear.weight.requires_grad)
+        return self
+
+    def _configure(self, in_features, out_features, tp_group, gather_output, sequence_parallel,
+                   skip_input_comm, pad_out_features):
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tp_info(tp_group)
+        if not pad_out_features:
+            divide(out_features, self.tp_size, "out_features")
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.skip_input_comm, self.pad_out_features = skip_input_comm, pad_out_features
+        start, end, self.out_features_per_partition = padded_range(
+            out_features, self.tp_rank, self.tp_size)
+        self.output_start_index, self.output_end_index = start, end
+
+    def _load(self, weight, bias, requires_grad):
+        start, end = self.output_start_index, self.output_end_index
+        per = self.out_features_per_partition
+        with torch.no_grad():
+            self.weight = _param(_rows(weight, start, end, per), requires_grad)  # (out/p, in)
+            self.bias = _param(None if bias is None else _rows(bias, start, end, per),
+                               requires_grad)                                       # (out/p,)
+
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skip_input_comm:
+            return x
+        return enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (B, T, in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_last_dim(x, self.in_features, "in_features")
+        check_dtype(x, self.weight, type(self).__name__)
+        if self.sequence_parallel and not self.skip_input_comm:
+            check_sequence_input(x, type(self).__name__)
+        y_shard = F.linear(self._enter(x), self.weight, self.bias)  # (..., out/p)
+        if not self.gather_output:
+            return y_shard
+        y = dist.gather_from_tp_region(y_shard, group=self.tp_group)  # (..., padded out)
+        return y[..., : self.out_features] if self.pad_out_features else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"out_features_per_partition={self.out_features_per_partition}, "
+                f"tp_size={self.tp_size}, bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b``, ``A = [A_1; ...; A_p]`` split along in_features, ``X = [X_1 ... X_p]``.
+
+    Rank i holds ``A_i: (in/p, out)`` (``weight: (out, in/p)``) and computes the partial sum
+    ``Y_i = X_i A_i: (..., out)``; ``Y = sum_i Y_i + b``, the bias added once, after the sum.
+
+    - forward: all-reduce of the partial Y (2(p-1)/p * N_Y); with ``sequence_parallel`` a
+      reduce-scatter along the sequence instead ((p-1)/p * N_Y), output ``(B, T/p, out)``.
+      ``input_is_parallel=False``: X is full and each rank keeps its slice (no communication).
+    - backward: dX_i = dY A_i^T needs no communication (dY is replicated), except an all-gather
+      of dX when ``input_is_parallel=False``; with ``sequence_parallel`` an all-gather of dY
+      ((p-1)/p * N_Y), and the bias gradient (partial over this rank's tokens) is all-reduced.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group=None,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_method=None, dtype=None, device=None):
+        super().__init__()
+        self._configure(in_features, out_features, tp_group, input_is_parallel, sequence_parallel)
+        master = _master_linear(in_features, out_features, bias, init_method, dtype, device)
+        self._load(master.weight, master.bias, requires_grad=True)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, tp_group=None, input_is_parallel: bool = True,
+                   sequence_parallel: bool = False) -> "RowParallelLinear":
+        """This rank's shard of ``linear``: weight columns (input features) of this rank."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(linear.in_features, linear.out_features, tp_group, input_is_parallel,
+                        sequence_parallel)
+        self._load(linear.weight, linear.bias, linear.weight.requires_grad)
+        return self
+
+    def _configure(self, in_features, out_features, tp_group, input_is_parallel,
+                   sequence_parallel):
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of "
+                             "a sequence-parallel row linear is the column linear's shard)")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = tp_info(tp_group)
+        self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+
+    def _load(self, weight, bias, requires_grad):
+        start = self.tp_rank * self.in_features_per_partition
+        end = start + self.in_features_per_partition
+        with torch.no_grad():
+            self.weight = _param(weight[:, start:end], requires_grad)  # (out, in/p)
+            self.bias = _param(bias, requires_grad)                    # (out,) replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = self.in_features_per_partition if self.input_is_parallel else self.in_features
+        name = "in_features_per_partition" if self.input_is_parallel else "in_features"
+        check_last_dim(x, width, name)
+        check_dtype(x, self.weight, type(self).__name__)
+        if self.sequence_parallel:
+            check_seq_divisible(x, 1, self.tp_size, type(self).__name__)
+        if not self.input_is_parallel:
+            x = dist.scatter_to_tp_region(x, group=self.tp_group)  # (..., in/p)
+        y_partial = F.linear(x, self.weight)                        # (..., out), a partial sum
+        if self.sequence_parallel:
+            # (B, T, out) partial -> (B, T/p, out) summed
+            y = dist.reduce_scatter_to_sequence_parallel_region(y_partial, group=self.tp_group,
+                                                                dim=1)
+            bias = None if self.bias is None else dist.copy_to_tp_region(self.bias,
+                                                                         group=self.tp_group)
+        else:
+            y = dist.reduce_from_tp_region(y_partial, group=self.tp_group)  # (..., out)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"in_features_per_partition={self.in_features_per_partition}, "
+                f"tp_size={self.tp_size}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``E[ids]`` with the table ``E: (V, H)`` split along the vocabulary.
+
+    Rank i holds rows ``[vocab_start_index, vocab_end_index)`` of E, zero-padded to
+    ``num_embeddings_per_partition = ceil(V/p)`` rows (the padding rule of
+    docs/architecture.md; padded rows are never looked up, so padding never changes a result).
+    Each rank looks up the ids it owns, writes zero rows for the others, and the partial
+    outputs are summed: exactly one rank contributes each token's row.
+
+    - forward: all-reduce of the (B, T, H) output (2(p-1)/p * N); with ``sequence_parallel``
+      a reduce-scatter along the sequence instead ((p-1)/p * N), output ``(B, T/p, H)``.
+    - backward: none (the output gradient is replicated; each rank keeps its rows' gradient).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
+                 padding_idx: int | None = None, sequence_parallel: bool = False,
+                 init_method=None, dtype=None, device=None):
+        super().__init__()
+        check_positive(num_embeddings, "num_embeddings")
+        check_positive(embedding_dim, "embedding_dim")
+        self._configure(num_embeddings, embedding_dim, padding_idx, tp_group, sequence_parallel)
+        master = nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx,
+                              dtype=dtype, device=device)
+        if init_method is not None:
+            with torch.no_grad():
+                init_method(master.weight)
+        self._load(master.weight, requires_grad=True)
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, *, tp_group=None,
+                   sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding`` (max_norm / sparse are not supported)."""
+        if embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding.from_dense: max_norm and sparse embeddings "
+                             "are not supported; valid: max_norm=None, sparse=False")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(embedding.num_embeddings, embedding.embedding_dim,
+                        embedding.padding_idx, tp_group, sequence_parallel)
+        self._load(embedding.weight, embedding.weight.requires_grad)
+        return self
+
+    def _configure(self, num_embeddings, embedding_dim, padding_idx, tp_group, sequence_parallel):
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_size, self.tp_rank = tp_info(tp_group)
+        start, end, per = padded_range(num_embeddings, self.tp_rank, self.tp_size)
+        self.vocab_start_index, self.vocab_end_index = start, end
+        self.num_embeddings_per_partition = per
+        self.padded_num_embeddings = padded_size(num_embeddings, self.tp_size)
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        local = None if padding_idx is None else padding_idx - start
+        self._local_padding_idx = local if local is not None and 0 <= local < end - start else None
+
+    def _load(self, weight, requires_grad):
+        start, end = self.vocab_start_index, self.vocab_end_index
+        with torch.no_grad():
+            self.weight = _param(_rows(weight, start, end, self.num_embeddings_per_partition),
+                                 requires_grad)  # (V/p, H)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_ids(ids, self.num_embeddings)
+        if self.sequence_parallel:
+            check_seq_divisible(ids, 1, self.tp_size, type(self).__name__)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # (B, T)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out_partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (B, T, H)
+        out_partial = out_partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return dist.reduce_scatter_to_sequence_parallel_region(out_partial,
+                                                                   group=self.tp_group, dim=1)
+        return dist.reduce_from_tp_region(out_partial, group=self.tp_group)  # (B, T, H)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, "
+                f"vocab=[{self.vocab_start_index}, {self.vocab_end_index}), "
+                f"num_embeddings_per_partition={self.num_embeddings_per_partition}, "
+                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}")
