@@ -164,7 +164,10 @@ def _root_cause(procs, results, out, first) -> RankFailedError:
 def _died(rank: int, proc) -> RankFailedError:
     code = proc.exitcode
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    return RankFailedError(rank, "RankDied", f"process {proc.pid} {how} before returning a result")
+    hint = ("; it may have failed while starting (spawned ranks re-import the main module: guard a "
+            "script's entry point with `if __name__ == '__main__':`, and pass a module-level function); "
+            "its stderr says more") if code > 0 else ""
+    return RankFailedError(rank, "RankDied", f"process {proc.pid} {how} before returning a result{hint}")
 
 
 def _stop_all(procs) -> None:

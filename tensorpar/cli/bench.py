@@ -1,0 +1,63 @@
+"""`tensorpar bench`: run the benchmark suite, write tables (markdown, JSON) and PNG plots."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+SUITES = ("mlp", "models")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark tensorpar against its baselines (ratios, medians)")
+    p.add_argument("--suite", default=",".join(SUITES),
+                   help=f"comma-separated suites to run; valid: {', '.join(SUITES)} (default: all)")
+    p.add_argument("--out", default="bench/out", help="folder for tables and plots (default: bench/out)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds per variant (default: 7)")
+    p.add_argument("--quick", action="store_true", help="the two smallest MLP sizes only (a smoke run)")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.set_defaults(func=main)
+
+
+def _suites(text: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in SUITES]
+    if bad or not chosen:
+        raise ValueError(f"--suite {text!r}: unknown {bad or 'empty'}; valid: {', '.join(SUITES)}")
+    return chosen
+
+
+def main(args) -> int:
+    suites = _suites(args.suite)
+    if args.repeats < 3:
+        raise ValueError(f"--repeats {args.repeats}: need at least 3 rounds for a median")
+    from tensorpar.bench import report
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, files = {}, []
+    if "mlp" in suites:
+        from tensorpar.bench.mlp import DEFAULT_SIZES, run_mlp_bench
+
+        rows = run_mlp_bench(DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES, args.repeats)
+        results["mlp"] = rows
+        (out / "mlp.md").write_text(report.mlp_table(rows))
+        files += [out / "mlp.md", report.plot_ratios(rows, out / "mlp.png", {
+            "tensorpar_vs_torch_tp": "tensorpar / PyTorch TP", "tensorpar_vs_floor": "tensorpar / floor",
+            "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"}, "TP MLP, tp=2")]
+    if "models" in suites:
+        from tensorpar.bench.models import run_models_bench, models_table
+
+        rows = run_models_bench(args.repeats)
+        results["models"] = rows
+        (out / "models.md").write_text(models_table(rows))
+        files.append(out / "models.md")
+    files.append(report.write_json(results, out / "results.json"))
+    if args.json:
+        print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
+        return 0
+    for name in ("mlp.md", "models.md"):
+        if (out / name).exists() and name.split(".")[0] in results:
+            print(f"\n## {name.split('.')[0]}\n\n{(out / name).read_text()}")
+    print("wrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
