@@ -1,0 +1,31 @@
+"""The planner: memory, communication and time of a tensor-parallel layout, before running it.
+
+Standard library only (no numpy, no torch). Every formula is a small function in one of
+
+- :mod:`.hardware` accelerator presets (vendor datasheets) and custom devices,
+- :mod:`.models` model shapes (gpt / llama families, presets, Hugging Face ``config.json``),
+- :mod:`.layout` tp x pp x dp, batch, recomputation, precision, ZeRO stage,
+- :mod:`.params` parameter counts, whole and per rank,
+- :mod:`.flops` model and hardware FLOPs (Narayanan et al. 2021; Korthikanti et al. 2022),
+- :mod:`.memory` activations, KV cache, model states (Korthikanti et al. 2022; ZeRO),
+- :mod:`.collectives` / :mod:`.comm` bytes per collective, and the collectives a layout issues,
+- :mod:`.timing` lower bounds on time (and estimates, which are not bounds),
+- :mod:`.feasibility` divisibility and memory checks with fixes and their cost,
+- :mod:`.report` ``plan()``, and :mod:`.search` the layout search.
+"""
+from .comm import CommItem, dp_collectives, pp_collectives, tp_collectives, tp_layer_collectives
+from .hardware import PRESETS as HARDWARE_PRESETS
+from .hardware import Hardware, custom_hardware, get_hardware
+from .layout import Layout
+from .models import PRESETS as MODEL_PRESETS
+from .models import ModelSpec, from_hf_config, get_model
+from .params import count_params, param_breakdown, params_per_device
+from .report import PlanReport, plan
+from .search import SearchResult, search
+
+__all__ = [
+    "CommItem", "HARDWARE_PRESETS", "Hardware", "Layout", "MODEL_PRESETS", "ModelSpec", "PlanReport",
+    "SearchResult", "count_params", "custom_hardware", "dp_collectives", "from_hf_config", "get_hardware",
+    "get_model", "param_breakdown", "params_per_device", "plan", "pp_collectives", "search",
+    "tp_collectives", "tp_layer_collectives",
+]

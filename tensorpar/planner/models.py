@@ -1,0 +1,197 @@
+"""Model shapes the planner counts from: two families, presets, and Hugging Face ``config.json``.
+
+- ``gpt``: learned position embeddings, input and output embeddings tied, biases on every linear,
+  LayerNorm (weight and bias), GELU MLP ``h -> ffn -> h`` (default ffn = 4h). GPT-2 (Radford et al.
+  2019), GPT-3 (Brown et al. 2020), Megatron-LM (Shoeybi et al. 2019; Narayanan et al. 2021).
+- ``llama``: rotary positions (no parameters), untied embeddings, no biases, RMSNorm (weight only),
+  SwiGLU MLP ``h -> 2 x ffn -> h`` (gate, up, down), grouped-query attention (``kv_heads``).
+  Touvron et al. 2023 (Llama 2); Dubey et al. 2024 (The Llama 3 Herd of Models, Table 3).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+FAMILIES = ("gpt", "llama")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer by its shapes. ``seq`` is the sequence length planned for."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    kv_heads: int | None = None
+    ffn: int | None = None
+    head_dim: int | None = None
+    tied_embeddings: bool | None = None
+    qkv_bias: bool | None = None
+    max_positions: int | None = None
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family ({self.family!r}) must be one of: {', '.join(FAMILIES)}")
+        for f in ("layers", "hidden", "heads", "vocab", "seq"):
+            _check_size(f, getattr(self, f))
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}) "
+                             "unless head_dim is given")
+        defaults = {"kv_heads": self.heads, "head_dim": self.hidden // self.heads,
+                    "ffn": default_ffn(self.family, self.hidden),
+                    "tied_embeddings": self.family == "gpt", "qkv_bias": self.family == "gpt"}
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)  # frozen: fill the defaults once, here
+        for f in ("kv_heads", "ffn", "head_dim"):
+            _check_size(f, getattr(self, f))
+        if self.max_positions is not None:
+            _check_size("max_positions", self.max_positions)
+            if self.family == "gpt" and self.seq > self.max_positions:
+                raise ValueError(f"seq ({self.seq}) exceeds the learned position table "
+                                 f"(max_positions={self.max_positions}); valid: seq <= {self.max_positions}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}); "
+                             f"valid kv_heads: {', '.join(map(str, divisors(self.heads)))}")
+
+    @property
+    def position_table(self) -> int:
+        """Rows of the learned position embedding (gpt family): ``max_positions``, else ``seq``."""
+        return self.max_positions or self.seq
+
+    @property
+    def biases(self) -> bool:
+        """Biases on the output projections and the MLP (gpt family)."""
+        return self.family == "gpt"
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: LayerNorm has weight and bias, RMSNorm a weight."""
+        return 2 * self.hidden if self.family == "gpt" else self.hidden
+
+    @property
+    def mlp_matrices(self) -> int:
+        """h x ffn matrices in the MLP: 2 for GELU (up, down), 3 for SwiGLU (gate, up, down)."""
+        return 2 if self.family == "gpt" else 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_ffn(family: str, hidden: int) -> int:
+    """gpt: 4h (Vaswani et al. 2017). llama: 2/3 * 4h rounded up to a multiple of 256, the rule of
+    Meta's reference ``llama/model.py`` (``multiple_of=256``): 4096 -> 11008, 5120 -> 13824."""
+    if family == "gpt":
+        return 4 * hidden
+    return 256 * -(-int(2 * 4 * hidden / 3) // 256)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_size(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
+def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, seq):
+    return ModelSpec(name=name, family="llama", layers=layers, hidden=hidden, heads=heads,
+                     kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
+
+
+def _gpt(name, layers, hidden, heads, vocab=51200, seq=2048):
+    return ModelSpec(name=name, family="gpt", layers=layers, hidden=hidden, heads=heads,
+                     vocab=vocab, seq=seq)
+
+
+# Llama: the config.json files Meta published with the weights (Llama 2: Touvron et al. 2023,
+# Table 1 context 4k; Llama 3: Dubey et al. 2024, Table 3, pre-training context 8k).
+# GPT-3 175B: Brown et al. 2020, Table 2.1, with the vocabulary padded to 51,200 as Megatron-LM
+# does (Narayanan et al. 2021, Table 1: 174.6B parameters).
+# Megatron-LM: Shoeybi et al. 2019, Table 1 (seq 1024, vocab 51,200); Narayanan et al. 2021,
+# Table 1 (seq 2048, vocab 51,200); Korthikanti et al. 2022, Table 3 (22B).
+PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+    _llama("llama-2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+    _llama("llama-3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+    _gpt("gpt3-175b", 96, 12288, 96),
+    _gpt("megatron-1.2b", 40, 1536, 16, seq=1024),
+    _gpt("megatron-2.5b", 54, 1920, 20, seq=1024),
+    _gpt("megatron-4.2b", 64, 2304, 24, seq=1024),
+    _gpt("megatron-8.3b", 72, 3072, 32, seq=1024),
+    _gpt("megatron-1.7b", 24, 2304, 24),
+    _gpt("megatron-3.6b", 30, 3072, 32),
+    _gpt("megatron-7.5b", 36, 4096, 32),
+    _gpt("megatron-18.4b", 40, 6144, 48),
+    _gpt("megatron-22b", 48, 6144, 64),
+    _gpt("megatron-39.1b", 48, 8192, 64),
+    _gpt("megatron-76.1b", 60, 10240, 80),
+    _gpt("megatron-145.6b", 80, 12288, 96),
+    _gpt("megatron-310.1b", 96, 16384, 128),
+    _gpt("megatron-529.6b", 105, 20480, 128),
+    _gpt("megatron-1t", 128, 25600, 160),
+)}
+
+
+def get_model(name_or_path: str, *, seq: int | None = None) -> ModelSpec:
+    """A preset by name, or a model read from a Hugging Face ``config.json`` (a file or a folder
+    holding one)."""
+    key = str(name_or_path).strip().lower()
+    if key in PRESETS:
+        spec = PRESETS[key]
+        return spec if seq is None else _replace(spec, seq=seq)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.exists():
+        return from_hf_config(path, seq=seq)
+    raise ValueError(f"unknown model {name_or_path!r}; valid: {', '.join(PRESETS)}, "
+                     "or the path of a Hugging Face config.json")
+
+
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_GPT_TYPES = ("gpt2", "gpt_bigcode", "openai-gpt")
+
+
+def from_hf_config(path, *, seq: int | None = None) -> ModelSpec:
+    """Shapes from a Hugging Face ``config.json``: Llama-style (llama, mistral, qwen2, qwen3) or
+    GPT-2-style (gpt2) field names. ``seq`` defaults to ``max_position_embeddings`` / ``n_positions``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such config.json: {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    kind = cfg.get("model_type", "")
+    name = cfg.get("_name_or_path") or path.parent.name or "hf"
+    if kind in _LLAMA_TYPES:
+        return ModelSpec(
+            name=name, family="llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+            heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads"),
+            ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], head_dim=cfg.get("head_dim"),
+            seq=seq or cfg.get("max_position_embeddings", 4096),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")))
+    if kind in _GPT_TYPES:
+        hidden = cfg.get("n_embd", cfg.get("hidden_size"))
+        return ModelSpec(
+            name=name, family="gpt", layers=cfg.get("n_layer", cfg.get("num_hidden_layers")),
+            hidden=hidden, heads=cfg.get("n_head", cfg.get("num_attention_heads")),
+            ffn=cfg.get("n_inner") or 4 * hidden, vocab=cfg["vocab_size"],
+            seq=seq or cfg.get("n_positions", 1024), max_positions=cfg.get("n_positions"))
+    raise ValueError(f"unsupported model_type {kind!r} in {path}; valid: "
+                     f"{', '.join(_LLAMA_TYPES + _GPT_TYPES)}")
+
+
+def _replace(spec: ModelSpec, **changes) -> ModelSpec:
+    return ModelSpec(**{**asdict(spec), **changes})

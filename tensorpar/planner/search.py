@@ -1,0 +1,136 @@
+"""Search tp x pp x dp for a device count: reject the infeasible with reasons, rank the rest, explain.
+
+Ranking: training by the step-time lower bound, inference by the decode-latency lower bound;
+layouts with equal bounds (the compute bound is the same for every layout of the same devices)
+are ordered by the estimate, which adds ring bytes, per-collective latency, no overlap and the
+pipeline bubble. The rules the explanation states are Narayanan et al. 2021's (Sec. 3.3,
+"Takeaway #1-#2"): keep tensor parallelism within a node, where the links are fastest; use
+pipeline parallelism across nodes; use data parallelism for the rest.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .hardware import Hardware
+from .layout import Layout
+from .models import ModelSpec, divisors
+from .report import PlanReport, plan
+
+
+@dataclass
+class SearchResult:
+    devices: int
+    devices_per_node: int
+    objective: str
+    candidates: list = field(default_factory=list)
+    best: dict | None = None
+    explanation: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+
+def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: int = 1,
+           global_batch: int | None = None, workload: str = "train", **layout_options) -> SearchResult:
+    """Every ``tp x pp x dp = devices`` layout, planned and ranked (feasible first).
+
+    ``global_batch`` is fixed across layouts (default ``micro_batch x devices``) so that every
+    layout does the same work; ``layout_options`` are the other :class:`Layout` fields.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices ({devices!r}) must be a positive integer")
+    gb = micro_batch * devices if global_batch is None else global_batch
+    Layout(micro_batch=micro_batch, global_batch=gb, workload=workload, **layout_options)  # validate once
+    rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, layout_options)
+            for tp in divisors(devices) for pp in divisors(devices // tp)]
+    objective = "step_time" if workload == "train" else "decode_time_per_token"
+    rows.sort(key=lambda r: (not r["feasible"], r["bound_s"] if r["bound_s"] is not None else float("inf"),
+                             r["estimate_s"] if r["estimate_s"] is not None else float("inf"), r["tp"], r["pp"]))
+    result = SearchResult(devices=devices, devices_per_node=hardware.devices_per_node, objective=objective,
+                          candidates=rows)
+    feasible = [r for r in rows if r["feasible"]]
+    result.best = feasible[0] if feasible else None
+    result.explanation = explain(result, hardware)
+    return result
+
+
+def _candidate(model, hardware, tp, pp, dp, micro_batch, gb, workload, options) -> dict:
+    row = {"tp": tp, "pp": pp, "dp": dp}
+    try:
+        layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=gb, workload=workload, **options)
+    except ValueError as exc:
+        return {**row, "feasible": False, "reasons": [str(exc)], "bound_s": None, "estimate_s": None,
+                "memory_per_device_bytes": None, "comm_bytes_per_device_per_step": None, "fixes": []}
+    r = plan(model, layout, hardware)
+    return {**row, **_summary(r, workload)}
+
+
+def _summary(r: PlanReport, workload: str) -> dict:
+    per_device = r.memory_per_device is not None
+    if workload == "train":
+        bound, estimate = r.step_time_lower_bound_s, (r.estimates or {}).get("step_time_s")
+    else:
+        bound, estimate = r.decode_time_per_token_lower_bound_s, (r.estimates or {}).get("decode_time_per_token_s")
+    return {"feasible": r.feasible, "reasons": r.reasons, "fixes": [f["fix"] for f in r.fixes],
+            "warnings": r.warnings, "bound_s": bound, "estimate_s": estimate,
+            "memory_per_device_bytes": r.memory_per_device["total"] if per_device else None,
+            "comm_bytes_per_device_per_step": r.comm["bytes_sent_per_device_per_step"]["total"] if per_device else None}
+
+
+def explain(result: SearchResult, hardware: Hardware) -> list[str]:
+    """The choice in plain words: what was picked, why, what was rejected, when tp > 1 loses."""
+    best, k = result.best, result.devices_per_node
+    rows = result.candidates
+    if best is None:
+        first = rows[0]["reasons"][0] if rows and rows[0]["reasons"] else "no layout"
+        return [f"No layout of {result.devices} devices is feasible; for example tp={rows[0]['tp']}, "
+                f"pp={rows[0]['pp']}, dp={rows[0]['dp']}: {first}"]
+    what = "step time" if result.objective == "step_time" else "decode latency per token"
+    lines = [f"Choose tp={best['tp']}, pp={best['pp']}, dp={best['dp']}: lowest {what} "
+             f"(lower bound {_ms(best['bound_s'])}, estimate {_ms(best['estimate_s'])}) among "
+             f"{sum(r['feasible'] for r in rows)} feasible of {len(rows)} layouts."]
+    lines.append(_tp_node_line(best, hardware))
+    rejected = [r for r in rows if not r["feasible"]]
+    if rejected:
+        smaller = [r for r in rejected if r["tp"] < best["tp"] and r["reasons"]]
+        example = (smaller or rejected)[0]
+        lines.append(f"{len(rejected)} layouts rejected, e.g. tp={example['tp']}, pp={example['pp']}, "
+                     f"dp={example['dp']}: {example['reasons'][0]}")
+    lines += _slower_than_one_device(rows, result.objective)
+    return lines
+
+
+def _tp_node_line(best: dict, hw: Hardware) -> str:
+    k, tp = hw.devices_per_node, best["tp"]
+    if tp == 1:
+        return "tp=1: the model fits without tensor parallelism, so no per-layer collectives are needed."
+    if tp <= k:
+        return (f"tp={tp} stays within a node ({k} devices), so every layer's collectives use "
+                f"{hw.intra_node_link} at {hw.intra_node_bytes_per_s / 1e9:.0f} GB/s per direction rather than "
+                f"the inter-node network at {hw.inter_node_bytes_per_s / 1e9:.0f} GB/s.")
+    return (f"tp={tp} spans nodes ({k} devices per node): every layer's collectives cross the "
+            f"{hw.inter_node_bytes_per_s / 1e9:.0f} GB/s network; no layout with tp within a node fits.")
+
+
+def _slower_than_one_device(rows: list[dict], objective: str) -> list[str]:
+    """Feasible tp > 1 layouts whose estimate is worse than the tp = 1 layout with the same pp."""
+    lines = []
+    base = {r["pp"]: r for r in rows if r["tp"] == 1 and r["feasible"] and r["estimate_s"] is not None}
+    for r in rows:
+        ref = base.get(r["pp"])
+        if r["tp"] > 1 and r["feasible"] and ref and r["estimate_s"] > ref["estimate_s"]:
+            unit = "per step" if objective == "step_time" else "per token"
+            lines.append(f"tp={r['tp']} (pp={r['pp']}, dp={r['dp']}) is expected to be slower than tp=1 "
+                         f"({_ms(r['estimate_s'])} vs {_ms(ref['estimate_s'])} {unit}): its collectives cost "
+                         "more than the compute and weight reads it splits.")
+    if not base and any(r["tp"] == 1 for r in rows):
+        lines.append("tp=1 does not fit, so tensor parallelism is needed here (not only faster).")
+    return lines
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
