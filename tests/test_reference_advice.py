@@ -108,6 +108,12 @@ def test_feasible_axes():
     assert feasible_axes((3, 8, 5, 4), 4) == [1, 3]
     assert feasible_axes((2, 3), 4) == []
     assert feasible_axes((7,), 1) == [0]
+    assert feasible_axes((0, 4), 2) == [1]  # an empty axis gives empty shards: not a split
+
+
+def test_an_empty_axis_is_not_feasible():
+    advice = advise_matmul((0, 4), (4, 8), 2)
+    assert not advice.option("batch").feasible and advice.choice == "out"
 
 
 @pytest.mark.parametrize("call, message", [

@@ -149,6 +149,15 @@ def test_split_matmul_equals_unsplit_on_every_axis_and_mode(case):
         assert log.bytes_sent_per_rank() == [N - row_bytes * sizes[(r + 1) % p] for r in range(p)]
 
 
+@pytest.mark.parametrize("mode", ["pad", "remainder"])
+@pytest.mark.parametrize("axis", ["out", "in", "batch", 1])
+def test_split_matmul_uneven_sizes_give_the_exact_shape_and_values(axis, mode):
+    """Every axis has 5 elements over p = 4: pad gives shards of 2 (the last all padding)."""
+    rng = np.random.default_rng(0)
+    X, W = rng.integers(-9, 9, (5, 5, 5)), rng.integers(-9, 9, (5, 5))
+    assert np.array_equal(split_matmul(X, W, 4, axis, mode=mode), X @ W)
+
+
 def test_split_matmul_pad_on_the_contracted_axis_adds_zero():
     X, W = np.arange(1, 6)[None, :], np.arange(1, 11).reshape(5, 2)  # k = 5 over p = 4: per 2, one all-pad rank
     assert np.array_equal(split_matmul(X, W, 4, "in", mode="pad"), X @ W)
