@@ -115,7 +115,8 @@ def advise_mlp(x_shape, w1_shape, w2_shape, p, *, itemsize: int = 8) -> AxisAdvi
               [("all_reduce", *h), ("all_reduce", *y)]),
              ("in,out", f"W1's rows (in={k}) and W2's columns (out={o})", (k, o),
               [("all_reduce", *h), ("all_gather", *y)])]
-    options = [_option(axis, what, sizes, p, colls, per_device, itemsize) for axis, what, sizes, colls in plans]
+    options = [_option(axis, what, sizes, p, colls, per_device, itemsize)
+               for axis, what, sizes, colls in plans]
     return _advise("mlp", p, options)
 
 

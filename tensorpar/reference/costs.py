@@ -45,7 +45,7 @@ def ring_allreduce_bytes(n_bytes, p) -> int | float:
 
 
 def ring_allgather_bytes(n_bytes, p) -> int | float:
-    """Bytes each device sends in a ring all-gather whose gathered result is ``n_bytes``: ``(p-1)/p * n_bytes``."""
+    """Bytes each device sends in a ring all-gather of an ``n_bytes`` result: ``(p-1)/p * n_bytes``."""
     n_bytes = check_byte_count(n_bytes)
     p = check_p(p)
     return _number(Fraction((p - 1) * n_bytes, p))

@@ -74,7 +74,8 @@ def unpartition(shards, axis: int = -1, size: int | None = None) -> np.ndarray:
         return full
     (size,) = check_shape((size,), "size")
     if size > full.shape[axis]:
-        raise ValueError(f"size ({size}) exceeds the {full.shape[axis]} elements the shards hold on axis {axis}")
+        raise ValueError(f"size ({size}) exceeds the {full.shape[axis]} elements "
+                         f"the shards hold on axis {axis}")
     return np.take(full, np.arange(size), axis=axis)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from .collectives import CommLog, all_gather, all_reduce, check_log
-from .costs import ring_allreduce_bytes, shard_bytes  # noqa: F401  (part of the seed API)
 from .partition import partition
 from .validation import as_numeric, check_chain, check_divides, check_matmul, check_ndim
 
