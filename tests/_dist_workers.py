@@ -95,6 +95,7 @@ def ledger_worker(shape):
         g = dist.gather_from_tp_region(x.detach())
         rs = dist.reduce_scatter(torch.cat([x.detach()] * p, dim=1), dim=1)
         m = dist.all_reduce(x.detach().clone(), op="max")
+        dist.broadcast(x.detach().clone(), src=0)
     outside = dist.reduce_from_tp_region(x.detach())  # no ledger open: must not be recorded
     return {"records": [r.to_dict() for r in led.records], "by_op": led.by_op(),
             "by_module": led.by_module(), "total": led.total_bytes_sent(),

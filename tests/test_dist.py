@@ -26,17 +26,18 @@ def test_ledger_records_every_collective_with_ring_bytes(world):
     shape = (2, 3, 8)
     n = 2 * 3 * 8 * 8  # float64 bytes of x
     out = dist.launch(W.ledger_worker, world, shape, deadline=120)
-    for res in out:
+    for rank, res in enumerate(out):
         ops = [(r["op"], r["phase"], r["module"]) for r in res["records"]]
         assert ops == [("all_reduce", "forward", "Block"), ("all_reduce", "backward", "Block"),
                        ("all_gather", "forward", ""), ("reduce_scatter", "forward", ""),
-                       ("all_reduce", "forward", "")]
+                       ("all_reduce", "forward", ""), ("broadcast", "forward", "")]
         payloads = [r["payload_bytes"] for r in res["records"]]
-        assert payloads == [n, n, world * n, world * n, n]
+        assert payloads == [n, n, world * n, world * n, n, n]
         sent = [r["bytes_sent"] for r in res["records"]]
-        assert sent == [2 * (world - 1) * n / world] * 2 + [(world - 1) * n] * 2 + [2 * (world - 1) * n / world]
+        chain = 0 if rank == world - 1 else n  # broadcast from 0: the chain ends at rank p-1
+        assert sent == [2 * (world - 1) * n / world] * 2 + [(world - 1) * n] * 2 + [2 * (world - 1) * n / world, chain]
         assert res["total"] == sum(sent)
-        assert res["by_op"]["all_reduce"]["count"] == 3
+        assert res["by_op"]["all_reduce"]["count"] == 3 and res["by_op"]["broadcast"]["count"] == 1
         assert res["by_module"]["Block"]["bytes_sent"] == sent[0] + sent[1]
         assert res["shapes"] == [(2, 3, 8 * world), (2, 3, 8), (2, 3, 8), (2, 3, 8)]
         assert {r["group_size"] for r in res["records"]} == {world}
@@ -125,3 +126,10 @@ def test_bad_backend_and_timeout():
     if torch.cuda.device_count() < 2:
         with pytest.raises(ValueError, match="backend 'nccl' needs 2 GPUs"):
             dist.launch(W.pid_worker, 2, backend="nccl")
+
+
+def test_broadcast_bytes_follow_the_chain():
+    # src=1 over 4 ranks: the chain 1 -> 2 -> 3 -> 0; rank 0 is last and sends nothing.
+    sent = [dist.ring_bytes_sent("broadcast", 1000, 4, rank=r, src=1) for r in range(4)]
+    assert sent == [0, 1000, 1000, 1000]
+    assert dist.ring_bytes_sent("broadcast", 1000, 1) == 0

@@ -25,10 +25,10 @@ def group_rank(group=None) -> int:
     return tdist.get_rank(group)
 
 
-def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, shape=None) -> None:
+def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, src: int = 0) -> None:
     led = active_ledger()
     if led is not None:
-        led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape)
+        led.record(op, tensor, group_size(group), phase=phase, module=module, rank=group_rank(group), src=src)
 
 
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
@@ -96,7 +96,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
     """In-place broadcast from group rank ``src``."""
     if group_size(group) == 1:
         return x
-    _record("broadcast", x, group, "forward", module)
+    _record("broadcast", x, group, "forward", module, src=src)
     global_src = tdist.get_global_rank(group, src) if group is not None else src
     tdist.broadcast(x, src=global_src, group=group)
     return x

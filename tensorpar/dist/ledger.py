@@ -6,7 +6,7 @@ rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.
 
     all-reduce                  2 (p - 1) / p * N
     all-gather, reduce-scatter      (p - 1) / p * N
-    broadcast (pipelined ring)             N  (non-root ranks forward what they receive)
+    broadcast (pipelined chain)            N, except the chain's last rank (src - 1) mod p: 0
 
 where N is the full tensor's bytes: the all-reduced tensor, the all-gather's result, the
 reduce-scatter's input.
@@ -29,11 +29,15 @@ import torch
 _ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("tensorpar_ledger", default=None)
 
 
-def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> int:
-    """Bytes one rank sends for ``op`` on ``payload_bytes`` over a ring of ``group_size`` ranks."""
+def ring_bytes_sent(op: str, payload_bytes: int, group_size: int, *, rank: int = 0, src: int = 0) -> int:
+    """Bytes group rank ``rank`` sends for ``op`` on ``payload_bytes`` over a ring of ``group_size``.
+
+    ``src`` matters for broadcast only: the chain runs src -> src+1 -> ... and its last rank sends nothing.
+    """
     p = group_size
+    last_in_chain = p == 1 or rank == (src - 1) % p
     factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-               "broadcast": 1.0 if p > 1 else 0.0}
+               "broadcast": 0.0 if last_in_chain else 1.0}
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; valid: {', '.join(factors)}")
     sent = factors[op] * payload_bytes
@@ -69,7 +73,7 @@ class Ledger:
         return self._stack[-1] if self._stack else ""
 
     def record(self, op: str, tensor: torch.Tensor, group_size: int, *, phase: str, module: str | None = None,
-               shape: tuple | None = None) -> None:
+               shape: tuple | None = None, rank: int = 0, src: int = 0) -> None:
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         numel = 1
         for d in shape:
@@ -78,7 +82,7 @@ class Ledger:
         self.records.append(CollectiveRecord(
             op=op, module=self.current_module() if module is None else module, phase=phase, shape=shape,
             dtype=str(tensor.dtype).removeprefix("torch."), group_size=group_size,
-            payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size)))
+            payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size, rank=rank, src=src)))
 
     def total_bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.records)
