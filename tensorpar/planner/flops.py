@@ -122,3 +122,9 @@ def weak_scaling_efficiency(params: float, tokens: float, n_devices: int, second
     """Per-device parameter-token throughput ``P T / (n t)`` relative to a baseline run: the weak
     scaling efficiency of the NVIDIA/Megatron-LM README (2020) tables (1-GPU 1.2B baseline)."""
     return (params * tokens / (n_devices * seconds)) / (base_params * base_tokens / (base_n_devices * base_seconds))
+
+
+def scaling_efficiency(aggregate_flops: float, n_devices: int, single_device_flops: float) -> float:
+    """Sustained throughput of ``n`` devices over ``n`` times one device's (Shoeybi et al. 2019,
+    Sec. 1 and 5.1: 15.1 PFLOP/s on 512 GPUs against 39 TFLOP/s on one, 76%)."""
+    return aggregate_flops / (n_devices * single_device_flops)

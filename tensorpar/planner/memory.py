@@ -137,3 +137,10 @@ def output_activation_bytes(model: ModelSpec, *, seq: int, micro_batch: int, tp:
     inputs = 2 * seq * micro_batch * model.hidden * bytes_per_elem
     logits = 4 * seq * micro_batch * ceil_div(model.vocab, tp)
     return (inputs / tp if sequence_parallel else inputs) + logits
+
+
+def weight_bytes(params: float, bytes_per_elem: int, shards: int = 1) -> float:
+    """``P e / shards``: weight bytes split evenly over ``shards`` devices, replicated tensors
+    (norms, row-parallel biases) ignored; :func:`tensorpar.planner.params.params_per_device` is the
+    exact per-rank count."""
+    return params * bytes_per_elem / shards

@@ -10,8 +10,9 @@ pipeline parallelism across nodes; use data parallelism for the rest.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from .feasibility import valid_tp_sizes
 from .hardware import Hardware
 from .layout import Layout
 from .models import ModelSpec, divisors
@@ -134,3 +135,16 @@ def _slower_than_one_device(rows: list[dict], objective: str) -> list[str]:
 
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def tp_sweep(model: ModelSpec, layout: Layout, hardware: Hardware) -> list[dict]:
+    """Memory per device and communication per step for every valid tp, the rest of ``layout``
+    unchanged (the data behind ``tensorpar plan --plot``)."""
+    rows = []
+    for tp in valid_tp_sizes(model):
+        r = plan(model, replace(layout, tp=tp), hardware)
+        rows.append({"tp": tp, "feasible": r.feasible, "memory_per_device": r.memory_per_device,
+                     "comm_bytes_per_device_per_step": r.comm["bytes_sent_per_device_per_step"],
+                     "step_time_lower_bound_s": r.step_time_lower_bound_s,
+                     "decode_time_per_token_lower_bound_s": r.decode_time_per_token_lower_bound_s})
+    return rows

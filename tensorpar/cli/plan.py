@@ -1,0 +1,310 @@
+"""`tensorpar plan`: memory, communication and time bounds of a layout, or a search over layouts.
+
+``--json`` prints one JSON object (a :class:`tensorpar.planner.PlanReport`, or a
+:class:`~tensorpar.planner.SearchResult` with ``--search``); without it, tables (rich). ``--plot
+PATH`` writes a PNG of memory per device and communication per step against tp. Bad input raises
+``ValueError`` in the planner; the dispatcher prints it as one line and exits 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from tensorpar import planner as P
+from tensorpar.planner.layout import DTYPE_BYTES, RECOMPUTE, WORKLOADS, ZERO_STAGES
+
+SHAPES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "head_dim")
+REQUIRED = ("family", "layers", "hidden", "heads", "vocab", "seq")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="memory, communication and time bounds of a tp x pp x dp layout",
+        description="Plan a tensor-parallel layout before running it: parameters, FLOPs, memory per "
+                    "device, every collective, lower bounds on step / decode / prefill time, "
+                    "feasibility with fixes; or --search over tp x pp x dp.")
+    m = p.add_argument_group("model (a preset or config.json, or the shapes)")
+    m.add_argument("--model", help=f"preset ({', '.join(P.MODEL_PRESETS)}) or a Hugging Face config.json")
+    m.add_argument("--family", choices=("gpt", "llama"))
+    for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "head-dim"):
+        m.add_argument(f"--{name}", type=int)
+    lay = p.add_argument_group("layout")
+    for name, default in (("tp", 1), ("pp", 1), ("dp", 1), ("micro-batch", 1)):
+        lay.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
+    lay.add_argument("--global-batch", type=int, help="sequences per step (default micro-batch x dp)")
+    lay.add_argument("--sequence-parallel", action="store_true")
+    lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    lay.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
+    lay.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0,
+                     help="ZeRO stage over dp for mixed-precision Adam (default 0)")
+    lay.add_argument("--workload", choices=WORKLOADS, default="train")
+    hw = p.add_argument_group("hardware (a preset, optionally overridden)")
+    hw.add_argument("--hardware", default="a100-80gb", help=f"preset: {', '.join(P.HARDWARE_PRESETS)}")
+    hw.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
+    hw.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
+    hw.add_argument("--memory-gb", type=float, help="device memory, GB")
+    hw.add_argument("--intra-node-gbps", type=float, help="intra-node link, GB/s per direction")
+    hw.add_argument("--inter-node-gbps", type=float, help="inter-node link per device, GB/s per direction")
+    hw.add_argument("--intra-node-link", help="which of the preset's links joins a node (nvlink, pcie)")
+    hw.add_argument("--devices-per-node", type=int)
+    o = p.add_argument_group("search and output")
+    o.add_argument("--search", action="store_true", help="rank every tp x pp x dp of --devices")
+    o.add_argument("--devices", type=int, help="device count (required with --search; checked against tp x pp x dp)")
+    o.add_argument("--kv-link", default="inter-node", help="link for the KV transfer time: inter-node, "
+                   "intra-node, a preset link name, or GB/s (default inter-node)")
+    o.add_argument("--kv-tokens", type=int, help="tokens of KV cache to transfer (default micro-batch x seq)")
+    o.add_argument("--collective-latency-us", type=float, default=10.0,
+                   help="latency per collective in the estimates, never in the bounds (default 10)")
+    o.add_argument("--plot", metavar="PATH", help="write a PNG of memory and communication against tp")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=main)
+
+
+def build_model(args) -> P.ModelSpec:
+    """The model from ``--model`` (shape options override it) or from the shape options alone."""
+    given = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
+    if args.model:
+        base = P.get_model(args.model).to_dict()
+        if "hidden" in given or "heads" in given:
+            base["head_dim"] = given.get("head_dim")  # re-derived unless given
+        return P.ModelSpec(**{**base, **given})
+    missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if k not in given]
+    if missing:
+        raise ValueError(f"give --model (one of: {', '.join(P.MODEL_PRESETS)}, or a config.json) "
+                         f"or the shapes; missing: {', '.join(missing)}")
+    return P.ModelSpec(**given)
+
+
+def build_hardware(args) -> P.Hardware:
+    base = P.get_hardware(args.hardware)
+    if args.intra_node_link is not None and args.intra_node_link not in base.links:
+        raise ValueError(f"--intra-node-link ({args.intra_node_link!r}) must be one of {base.name}'s links: "
+                         f"{', '.join(base.links)}")
+    g = 1e9
+    return base.with_overrides(
+        peak_dense_bf16_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        peak_dense_tf32_flops=None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        hbm_bytes_per_s=None if args.hbm_gbps is None else args.hbm_gbps * g,
+        mem_bytes=None if args.memory_gb is None else args.memory_gb * g,
+        intra_node_bytes_per_s=None if args.intra_node_gbps is None else args.intra_node_gbps * g,
+        inter_node_bytes_per_s=None if args.inter_node_gbps is None else args.inter_node_gbps * g,
+        intra_node_link=args.intra_node_link, devices_per_node=args.devices_per_node)
+
+
+def layout_options(args) -> dict:
+    return {"sequence_parallel": args.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype,
+            "zero_stage": args.zero_stage}
+
+
+def kv_link(value: str):
+    try:
+        gbps = float(value)
+    except ValueError:
+        return value
+    return gbps * 1e9
+
+
+def main(args) -> int:
+    model, hardware = build_model(args), build_hardware(args)
+    if args.search:
+        result = run_search(args, model, hardware)
+    else:
+        layout = P.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+                          global_batch=args.global_batch, workload=args.workload, **layout_options(args))
+        if args.devices is not None and args.devices != layout.devices:
+            raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
+                             f"--devices ({args.devices}); valid: layouts whose product is {args.devices} "
+                             "(or use --search)")
+        if args.collective_latency_us < 0:
+            raise ValueError(f"--collective-latency-us ({args.collective_latency_us}) must be >= 0")
+        result = P.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
+                        latency_s=args.collective_latency_us * 1e-6)
+    if args.plot:
+        _plot(args, model, hardware, result)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print_result(result, sys.stdout)
+    return 0
+
+
+def run_search(args, model, hardware) -> P.SearchResult:
+    if args.devices is None:
+        raise ValueError("--search needs --devices N (the number of devices to lay out)")
+    return P.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
+                    global_batch=args.global_batch, workload=args.workload, **layout_options(args))
+
+
+def _plot(args, model, hardware, result) -> None:
+    from tensorpar.planner.search import tp_sweep
+    from tensorpar.plots import plot_tp_sweep
+
+    if isinstance(result, P.SearchResult):
+        if result.best is None:
+            raise ValueError("--plot needs a feasible layout; the search found none")
+        best = result.best
+        base = P.Layout(tp=best["tp"], pp=best["pp"], dp=best["dp"], micro_batch=args.micro_batch,
+                        global_batch=args.global_batch or args.micro_batch * args.devices,
+                        workload=args.workload, **layout_options(args))
+    else:
+        base = P.Layout(**{k: v for k, v in result.layout.items() if k not in ("devices", "num_micro_batches")})
+    plot_tp_sweep(tp_sweep(model, base, hardware), args.plot,
+                  title=f"{model.name} on {hardware.name}, pp={base.pp}, dp={base.dp}, micro-batch {base.micro_batch}")
+
+
+# ---- text report (rich, imported only here) ------------------------------------------------------
+
+_PARTS = (("weights", "blue", "W"), ("gradients", "magenta", "G"), ("optimizer", "yellow", "O"),
+          ("activations", "green", "A"), ("kv_cache", "cyan", "K"))
+
+
+def print_result(result, file) -> None:
+    from rich.console import Console
+
+    console = Console(file=file, width=None if file.isatty() else 120, highlight=False)
+    if isinstance(result, P.SearchResult):
+        _render_search(console, result)
+    else:
+        _render_plan(console, result)
+
+
+def _render_plan(console, r: P.PlanReport) -> None:
+    m, lay, hw = r.model, r.layout, r.hardware
+    console.print(f"[bold]{m['name']}[/] ({m['family']}, {r.params:,} parameters) on [bold]{hw['name']}[/]: "
+                  f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ({lay['devices']} devices), {lay['workload']}, "
+                  f"{lay['dtype']}, micro-batch {lay['micro_batch']}, global batch {lay['global_batch']}, "
+                  f"seq {m['seq']}, recompute {lay['recompute']}"
+                  + (", sequence parallel" if lay["sequence_parallel"] else ""))
+    console.print("[green]feasible[/]" if r.feasible else "[bold red]NOT feasible[/]")
+    for line in r.reasons:
+        console.print(f"  [red]x[/] {line}")
+    for fix in r.fixes:
+        console.print(f"  [yellow]fix[/] {fix['fix']}: {fix['cost']}")
+    for line in r.warnings:
+        console.print(f"  [yellow]![/] {line}")
+    if r.memory_per_device is None:
+        console.print(f"valid tp sizes: {', '.join(map(str, r.valid_tp_sizes))}")
+        return
+    console.print(_summary_table(r))
+    console.print(_memory_table(r.memory_per_device))
+    console.print(_memory_bar(r.memory_per_device))
+    console.print(_comm_table(r))
+    console.print(_time_table(r))
+
+
+def _table(title, *columns):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", title_style="bold")
+    for c in columns:
+        t.add_column(c, justify="left" if c in ("", "op", "where", "phase", "group", "part", "bound") else "right")
+    return t
+
+
+def _summary_table(r):
+    t = _table("model and split", "", "value")
+    kv = r.kv_cache_bytes_per_token
+    t.add_row("parameters / per device", f"{r.params:,} / {r.params_per_device:,}")
+    t.add_row("FLOPs per iteration (model / with recompute)",
+              f"{r.flops_per_iteration:.4g} / {r.hardware_flops_per_iteration:.4g}")
+    t.add_row("activations per layer per device (one micro-batch)", _bytes(r.activation_bytes_per_layer))
+    t.add_row("KV cache per token (total / per device)", f"{_bytes(kv['total'])} / {_bytes(kv['per_device'])}"
+              + (f" (kv heads replicated {kv['replication']}x)" if kv["replication"] > 1 else ""))
+    t.add_row("valid tp sizes", ", ".join(map(str, r.valid_tp_sizes)))
+    return t
+
+
+def _memory_table(mem):
+    t = _table(f"memory per device (stage {mem['stage']})", "part", "bytes", "share of capacity")
+    for part, color, _ in _PARTS:
+        t.add_row(f"[{color}]{part}[/]", _bytes(mem[part]), f"{mem[part] / mem['capacity']:.1%}")
+    t.add_row("[bold]total[/]", _bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}")
+    t.add_row("capacity", _bytes(mem["capacity"]), "")
+    return t
+
+
+def _memory_bar(mem, width: int = 60):
+    """W weights, G gradients, O optimizer, A activations, K KV cache, . free, scaled so the
+    larger of capacity and total fills ``width``; when over capacity a ``|`` marks the capacity."""
+    from rich.text import Text
+
+    scale = width / max(mem["capacity"], mem["total"])
+    cells = [(letter, color, round(mem[part] * scale)) for part, color, letter in _PARTS]
+    cap = round(mem["capacity"] * scale)
+    bar, pos = Text("memory ["), 0
+    for letter, color, n in cells:
+        for _ in range(n):
+            if pos == cap and mem["total"] > mem["capacity"]:
+                bar.append("|", style="bold red")
+            bar.append(letter, style=color)
+            pos += 1
+    bar.append("." * max(0, width - pos), style="dim")
+    bar.append("]")
+    over = mem["total"] > mem["capacity"]
+    bar.append(f" {mem['total'] / mem['capacity']:.0%} of {_bytes(mem['capacity'])}"
+               + (" OVER CAPACITY (| marks it)" if over else ""), style="bold red" if over else "")
+    bar.append("  W weights, G gradients, O optimizer, A activations, K kv cache")
+    return bar
+
+
+def _comm_table(r):
+    c = r.comm
+    t = _table(f"communication per step, one device of stage {c['stage']} (ring bytes sent)",
+               "group", "op", "where", "phase", "payload N", "sent/device", "count", "total sent")
+    for i in c["per_step"]:
+        phase = i["phase"] + (" (recomputed)" if i["recomputed"] else "")
+        t.add_row(f"{i['group']}({i['group_size']})", i["op"], i["where"], phase, _bytes(i["payload_bytes"]),
+                  _bytes(i["bytes_sent_per_device"]), str(i["count"]), _bytes(i["bytes_sent_per_device"] * i["count"]))
+    t.add_row("", "", "[bold]total[/]", "", "", "", "", _bytes(c["bytes_sent_per_device_per_step"]["total"]))
+    return t
+
+
+def _time_table(r):
+    t = _table("time: lower bounds (no system beats them) and estimates (not bounds)", "bound", "lower bound", "estimate")
+    e, by = r.estimates, r.comm_time_lower_bound_by_link
+    t.add_row("compute per step", _s(r.compute_time_lower_bound_s), "")
+    t.add_row(f"communication per step (intra {_s(by['intra_node_s'])}, inter {_s(by['inter_node_s'])})",
+              _s(r.comm_time_lower_bound_s), _s(e["comm_time_s"]))
+    t.add_row(f"step (pipeline bubble {e['pipeline_bubble_fraction']:.0%} in the estimate)",
+              _s(r.step_time_lower_bound_s), _s(e["step_time_s"]))
+    ceiling = r.decode_steps_per_s_upper_bound
+    t.add_row(f"decode per token (<= {ceiling:,.0f} steps/s)" if ceiling else "decode per token",
+              _s(r.decode_time_per_token_lower_bound_s), _s(e["decode_time_per_token_s"]))
+    t.add_row(f"prefill of {r.model['seq']} tokens x {r.layout['micro_batch']}", _s(r.prefill_time_lower_bound_s), "")
+    kv = r.kv_transfer
+    t.add_row(f"KV transfer, {kv['tokens']:,} tokens ({_bytes(kv['bytes_per_device'])}/device) over {kv['link']}",
+              _s(r.kv_transfer_time_lower_bound_s), "")
+    return t
+
+
+def _render_search(console, s: P.SearchResult) -> None:
+    unit = "step" if s.objective == "step_time" else "decode per token"
+    t = _table(f"{s.devices} devices, {s.devices_per_node} per node: layouts ranked by {unit}",
+               "tp", "pp", "dp", "feasible", "lower bound", "estimate", "memory/device", "comm/step", "why not")
+    for r in s.candidates:
+        mem = "" if r["memory_per_device_bytes"] is None else _bytes(r["memory_per_device_bytes"])
+        comm = "" if r["comm_bytes_per_device_per_step"] is None else _bytes(r["comm_bytes_per_device_per_step"])
+        t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), "yes" if r["feasible"] else "[red]no[/]",
+                  _s(r["bound_s"]), _s(r["estimate_s"]), mem, comm, (r["reasons"] or [""])[0][:70])
+    console.print(t)
+    for line in s.explanation:
+        console.print(f"- {line}")
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _s(seconds) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.2f} us"
