@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py.
-SUBCOMMANDS = ("demo", "bench")
+SUBCOMMANDS = ("demo", "bench", "plan")
 
 
 class _Parser(argparse.ArgumentParser):
