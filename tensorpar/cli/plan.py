@@ -285,7 +285,7 @@ def _render_search(console, s: P.SearchResult) -> None:
         mem = "" if r["memory_per_device_bytes"] is None else _bytes(r["memory_per_device_bytes"])
         comm = "" if r["comm_bytes_per_device_per_step"] is None else _bytes(r["comm_bytes_per_device_per_step"])
         t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), "yes" if r["feasible"] else "[red]no[/]",
-                  _s(r["bound_s"]), _s(r["estimate_s"]), mem, comm, (r["reasons"] or [""])[0][:70])
+                  _s(r["bound_s"]), _s(r["estimate_s"]), mem, comm, (r["reasons"] or [""])[0].split(" (")[0])
     console.print(t)
     for line in s.explanation:
         console.print(f"- {line}")

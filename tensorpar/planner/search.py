@@ -118,23 +118,35 @@ def _tp_node_line(best: dict, hw: Hardware) -> str:
 
 
 def _slower_than_one_device(rows: list[dict], objective: str) -> list[str]:
-    """Feasible tp > 1 layouts whose estimate is worse than the tp = 1 layout with the same pp."""
-    lines = []
+    """Where tp > 1 is expected (by the estimate) to be slower than tp = 1 with the same pp."""
     base = {r["pp"]: r for r in rows if r["tp"] == 1 and r["feasible"] and r["estimate_s"] is not None}
-    for r in rows:
-        ref = base.get(r["pp"])
-        if r["tp"] > 1 and r["feasible"] and ref and r["estimate_s"] > ref["estimate_s"]:
-            unit = "per step" if objective == "step_time" else "per token"
-            lines.append(f"tp={r['tp']} (pp={r['pp']}, dp={r['dp']}) is expected to be slower than tp=1 "
-                         f"({_ms(r['estimate_s'])} vs {_ms(ref['estimate_s'])} {unit}): its collectives cost "
-                         "more than the compute and weight reads it splits.")
-    if not base and any(r["tp"] == 1 for r in rows):
-        lines.append("tp=1 does not fit, so tensor parallelism is needed here (not only faster).")
+    if not base:
+        return ["tp=1 does not fit, so tensor parallelism is needed here (not only faster)."] if any(
+            r["tp"] == 1 for r in rows) else []
+    slower = [r for r in rows if r["tp"] > 1 and r["feasible"] and r["pp"] in base
+              and r["estimate_s"] > base[r["pp"]]["estimate_s"]]
+    if not slower:
+        return []
+    unit = "per step" if objective == "step_time" else "per token"
+    lines, best = [], next(r for r in rows if r["feasible"])
+    if best in slower:
+        ref = base[best["pp"]]
+        lines.append(f"Caution: tp={best['tp']} has the lowest bound but is expected to be slower than tp=1 "
+                     f"({_ms(best['estimate_s'])} vs {_ms(ref['estimate_s'])} {unit}): the latency and ring "
+                     f"traffic of its collectives outweigh the work it splits; prefer tp=1, pp={ref['pp']}, "
+                     f"dp={ref['dp']} unless collectives are faster than assumed (--collective-latency-us).")
+    others = [r for r in slower if r is not best]
+    if others:
+        lines.append("Expected slower than tp=1 with the same pp: " + ", ".join(
+            f"tp={r['tp']} pp={r['pp']} dp={r['dp']} ({_ms(r['estimate_s'])} vs "
+            f"{_ms(base[r['pp']]['estimate_s'])})" for r in others) + ".")
     return lines
 
 
 def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{seconds * 1e3:.3f} ms"
+    if seconds is None:
+        return "n/a"
+    return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
 def tp_sweep(model: ModelSpec, layout: Layout, hardware: Hardware) -> list[dict]:

@@ -1,0 +1,151 @@
+"""The collectives the planner predicts, against hand-computed lists for a tiny model.
+
+Tiny llama: 2 layers, hidden 8, micro-batch 3, seq 6, fp32, tp 2, so N = 3*6*8*4 = 576 bytes;
+a ring all-reduce sends 2(p-1)/p N = 576, an all-gather or reduce-scatter (p-1)/p N = 288, the
+cross-entropy all-reduces carry b*s*4 = 72 bytes each (and send 72). These are the records the
+runtime ledger must show (docs/architecture.md, last section), item for item.
+"""
+import dataclasses
+
+import pytest
+
+from tensorpar.planner import Layout, ModelSpec, get_hardware, plan
+from tensorpar.planner.comm import bytes_sent, dp_collectives, pp_collectives, tp_collectives
+from tensorpar.planner.params import params_per_device
+
+TINY = ModelSpec(family="llama", layers=2, hidden=8, heads=4, kv_heads=2, head_dim=2, ffn=12, vocab=10, seq=6)
+N, CE = 576, 72
+
+
+def _lay(**kw):
+    return Layout(**{"tp": 2, "micro_batch": 3, "dtype": "fp32", **kw})
+
+
+def _rows(items):
+    return sorted((i.op, i.where, i.phase, i.payload_bytes, i.bytes_sent_per_device, i.count, i.recomputed)
+                  for i in items)
+
+
+def test_inference_forward_only():
+    got = tp_collectives(TINY, _lay(workload="inference"))
+    assert _rows(got["per_layer"]) == sorted([
+        ("all_reduce", "layer.attention", "forward", N, N, 1, False),
+        ("all_reduce", "layer.mlp", "forward", N, N, 1, False)])
+    assert _rows(got["per_micro_batch"]) == sorted([
+        ("all_reduce", "embedding", "forward", N, N, 1, False),
+        ("all_reduce", "layer.attention", "forward", N, N, 2, False),
+        ("all_reduce", "layer.mlp", "forward", N, N, 2, False)])
+    assert bytes_sent(got["per_micro_batch"]) == 5 * N
+
+
+def test_training_forward_and_backward():
+    got = tp_collectives(TINY, _lay())
+    assert _rows(got["per_micro_batch"]) == sorted([
+        ("all_reduce", "embedding", "forward", N, N, 1, False),
+        ("all_reduce", "layer.attention", "forward", N, N, 2, False),
+        ("all_reduce", "layer.attention", "backward", N, N, 2, False),
+        ("all_reduce", "layer.mlp", "forward", N, N, 2, False),
+        ("all_reduce", "layer.mlp", "backward", N, N, 2, False),
+        ("all_reduce", "lm_head", "backward", N, N, 1, False),
+        ("all_reduce", "cross_entropy", "forward", CE, CE, 3, False)])
+    assert bytes_sent(got["per_micro_batch"]) == 10 * N + 3 * CE  # 5976
+
+
+def test_training_with_sequence_parallelism_moves_the_same_activation_bytes():
+    got = tp_collectives(TINY, _lay(sequence_parallel=True))
+    h = N // 2
+    assert _rows(got["per_layer"]) == sorted([
+        ("all_gather", "layer.attention", "forward", N, h, 1, False),
+        ("reduce_scatter", "layer.attention", "forward", N, h, 1, False),
+        ("all_gather", "layer.attention", "backward", N, h, 1, False),
+        ("reduce_scatter", "layer.attention", "backward", N, h, 1, False),
+        ("all_gather", "layer.mlp", "forward", N, h, 1, False),
+        ("reduce_scatter", "layer.mlp", "forward", N, h, 1, False),
+        ("all_gather", "layer.mlp", "backward", N, h, 1, False),
+        ("reduce_scatter", "layer.mlp", "backward", N, h, 1, False),
+        ("all_reduce", "layer.norms", "backward", 32, 32, 2, False)])  # two RMSNorm weights, 8 x 4 bytes
+    extra = [i for i in got["per_micro_batch"] if not i.where.startswith("layer.")]
+    assert _rows(extra) == sorted([
+        ("reduce_scatter", "embedding", "forward", N, h, 1, False),
+        ("all_gather", "embedding", "backward", N, h, 1, False),
+        ("all_gather", "lm_head", "forward", N, h, 1, False),
+        ("reduce_scatter", "lm_head", "backward", N, h, 1, False),
+        ("all_reduce", "final_norm", "backward", 32, 32, 1, False),
+        ("all_reduce", "cross_entropy", "forward", CE, CE, 3, False)])
+    activation = [i for i in got["per_micro_batch"] if i.payload_bytes == N]
+    plain = [i for i in tp_collectives(TINY, _lay())["per_micro_batch"] if i.payload_bytes == N]
+    assert bytes_sent(activation) == bytes_sent(plain)  # Korthikanti et al. 2022, Sec. 4.2.2
+
+
+def test_gpt_sequence_parallel_adds_bias_and_position_gradients():
+    gpt = ModelSpec(family="gpt", layers=2, hidden=8, heads=2, vocab=11, seq=4)
+    got = tp_collectives(gpt, _lay(micro_batch=1, sequence_parallel=True))["per_layer"]
+    small = _rows(i for i in got if i.where in ("layer.norms", "layer.row_biases"))
+    assert small == [("all_reduce", "layer.norms", "backward", 32, 32, 4, False),  # 2 LayerNorms x (weight, bias)
+                     ("all_reduce", "layer.row_biases", "backward", 32, 32, 2, False)]  # o_proj and fc2 biases
+    pos = [i for i in tp_collectives(gpt, _lay(micro_batch=1, sequence_parallel=True))["per_micro_batch"]
+           if i.where == "position_embedding"]
+    assert _rows(pos) == [("all_reduce", "position_embedding", "backward", 4 * 8 * 4, 128, 1, False)]
+
+
+def test_full_recompute_reissues_forward_collectives():
+    got = tp_collectives(TINY, _lay(recompute="full"))["per_layer"]
+    recomputed = [i for i in got if i.recomputed]
+    assert _rows(recomputed) == sorted([("all_reduce", "layer.attention", "forward", N, N, 1, True),
+                                        ("all_reduce", "layer.mlp", "forward", N, N, 1, True)])
+    assert not [i for i in tp_collectives(TINY, _lay(recompute="selective"))["per_layer"] if i.recomputed]
+
+
+def test_tp1_issues_nothing_and_inference_loss_is_optional():
+    assert tp_collectives(TINY, _lay(tp=1)) == {"per_layer": [], "per_micro_batch": []}
+    with_loss = tp_collectives(TINY, _lay(workload="inference"), with_loss=True)["per_micro_batch"]
+    assert [i.count for i in with_loss if i.where == "cross_entropy"] == [3]
+
+
+def test_pipeline_sends_and_regathers():
+    lay = _lay(pp=2)
+    first = pp_collectives(TINY, lay, stage="first")
+    assert _rows(first) == sorted([
+        ("send", "pipeline.activation", "forward", N, N / 2, 1, False),  # scatter/gather: N / t per rank
+        ("all_gather", "pipeline.activation_grad", "backward", N, N / 2, 1, False)])
+    last = pp_collectives(TINY, lay, stage="last")
+    assert _rows(last) == sorted([
+        ("all_gather", "pipeline.activation", "forward", N, N / 2, 1, False),
+        ("send", "pipeline.activation_grad", "backward", N, N / 2, 1, False)])
+    assert [i.op for i in pp_collectives(TINY, _lay(pp=2, sequence_parallel=True), stage="middle")] == ["send", "send"]
+
+
+def test_data_parallel_gradients_and_zero():
+    p = params_per_device(TINY, 2)
+    size = p * 4
+    assert _rows(dp_collectives(p, _lay(dp=4))) == [("all_reduce", "gradients", "step", size, 1.5 * size, 1, False)]
+    z3 = dp_collectives(p, _lay(dp=4, global_batch=24, zero_stage=3))  # 2 micro-batches per step
+    assert sorted((i.op, i.phase, i.count) for i in z3) == [
+        ("all_gather", "backward", 2), ("all_gather", "forward", 2), ("reduce_scatter", "backward", 2)]
+    assert dp_collectives(p, _lay(dp=4, workload="inference")) == []
+
+
+def test_plan_per_step_is_micro_batches_times_per_micro_batch_plus_dp():
+    lay = _lay(dp=2, global_batch=12)  # 2 micro-batches of 3 per data-parallel rank
+    r = plan(TINY, lay, get_hardware("a100-80gb"))
+    tp_items = [i for i in r.comm["per_step"] if i["group"] == "tp"]
+    per_mb = tp_collectives(TINY, lay)["per_micro_batch"]
+    assert sum(i["bytes_sent_per_device"] * i["count"] for i in tp_items) == 2 * bytes_sent(per_mb)
+    dp_items = [i for i in r.comm["per_step"] if i["group"] == "dp"]
+    assert len(dp_items) == 1 and dp_items[0]["payload_bytes"] == r.params_per_device * 4
+    assert r.comm["per_layer"] == [i.to_dict() for i in tp_collectives(TINY, lay)["per_layer"]]
+
+
+def test_decode_per_token_items():
+    lay = dataclasses.replace(_lay(workload="inference"), micro_batch=1)
+    r = plan(TINY, lay, get_hardware("h100-sxm"))
+    rows = sorted((i["where"], i["payload_bytes"], i["count"]) for i in r.comm["decode_per_token"])
+    assert rows == [("embedding", 32, 1), ("layer.attention", 32, 2), ("layer.mlp", 32, 2)]  # b*1*h*4 bytes
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_comm_bound_never_exceeds_ring_estimate(sp):
+    m = ModelSpec(family="gpt", layers=4, hidden=256, heads=8, vocab=1000, seq=128)
+    for hw in ("a100-80gb", "h100-pcie"):
+        r = plan(m, _lay(tp=4, pp=2, dp=2, global_batch=12, sequence_parallel=sp, zero_stage=1), get_hardware(hw))
+        assert 0 < r.comm_time_lower_bound_s <= r.estimates["comm_time_s"]
