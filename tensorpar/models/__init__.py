@@ -1,0 +1,44 @@
+"""tensorpar.models: tensor-parallel plans of model families, and running sharded models.
+
+The only package that knows module names. Names load on first use (this package imports
+neither transformers nor safetensors until asked):
+
+- plans and feasibility: ``FAMILY_PLANS``, ``model_family``, ``model_dims``, ``check_feasibility``
+- checkpoints: ``load_sharded`` (each rank reads only its slices of a safetensors checkpoint)
+- inference: ``generate`` (greedy, per-rank KV cache)
+- training: ``train_step``, ``causal_lm_loss``, ``clip_grad_norm_``
+- test models: ``make_tiny_config``, ``make_tiny_model``, ``make_tiny_checkpoint``
+- all-MiniLM-L6-v2: ``minilm_path``, ``load_minilm``, ``sentence_embeddings``
+
+``tensorpar.parallelize`` (in ``tensorpar.apply``) applies a plan.
+"""
+import importlib
+
+_LAZY = {
+    "FAMILY_PLANS": "tensorpar.models.plans", "FAMILIES": "tensorpar.models.plans",
+    "STYLES": "tensorpar.models.plans", "model_family": "tensorpar.models.plans",
+    "model_dims": "tensorpar.models.plans",
+    "check_feasibility": "tensorpar.models.feasibility",
+    "FeasibilityReport": "tensorpar.models.feasibility",
+    "ParallelizeReport": "tensorpar.models.report",
+    "load_sharded": "tensorpar.models.checkpoint", "LoadReport": "tensorpar.models.checkpoint",
+    "generate": "tensorpar.models.generate",
+    "train_step": "tensorpar.models.training", "causal_lm_loss": "tensorpar.models.training",
+    "clip_grad_norm_": "tensorpar.models.training",
+    "make_tiny_config": "tensorpar.models.testing", "make_tiny_model": "tensorpar.models.testing",
+    "make_tiny_checkpoint": "tensorpar.models.testing",
+    "minilm_path": "tensorpar.models.minilm", "load_minilm": "tensorpar.models.minilm",
+    "sentence_embeddings": "tensorpar.models.minilm",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tensorpar.models' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
