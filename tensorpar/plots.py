@@ -15,7 +15,7 @@ def plot_tp_sweep(rows: list[dict], path: str, *, title: str = "") -> str:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    labels = [str(r["tp"]) for r in rows]
+    labels = [str(r["tp"]) if r["feasible"] else f"{r['tp']}\n(infeasible)" for r in rows]
     x = list(range(len(rows)))
     fig, (ax_mem, ax_comm) = plt.subplots(1, 2, figsize=(11, 4.2))
     bottom = [0.0] * len(rows)

@@ -1,0 +1,110 @@
+"""`tensorpar plan`: JSON, the text report, the plot, and one-line errors with exit code 2."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tensorpar.cli import main
+
+REQUIRED = ("params", "params_per_device", "flops_per_iteration", "hardware_flops_per_iteration",
+            "activation_bytes_per_layer", "kv_cache_bytes_per_token", "memory_per_device", "comm",
+            "compute_time_lower_bound_s", "comm_time_lower_bound_s", "step_time_lower_bound_s",
+            "decode_time_per_token_lower_bound_s", "decode_steps_per_s_upper_bound", "prefill_time_lower_bound_s",
+            "kv_transfer_time_lower_bound_s", "feasible", "reasons", "fixes")
+
+
+def _run(capsys, *argv):
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_json_is_one_object_with_the_required_fields(capsys):
+    rc, out, err = _run(capsys, "--model", "llama-2-7b", "--tp", "8", "--hardware", "a100-80gb", "--json")
+    assert rc == 0 and err == ""
+    d = json.loads(out)
+    assert all(k in d for k in REQUIRED)
+    assert d["params"] == 6_738_415_616 and d["layout"]["tp"] == 8 and d["feasible"] is True
+    assert {"per_layer", "per_step", "decode_per_token"} <= set(d["comm"])
+
+
+def test_shapes_and_custom_hardware(capsys):
+    rc, out, _ = _run(capsys, "--family", "gpt", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "100",
+                      "--seq", "16", "--tp", "2", "--hardware", "h100-pcie", "--intra-node-gbps", "25",
+                      "--memory-gb", "1", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["model"]["family"] == "gpt" and d["model"]["ffn"] == 256
+    assert d["hardware"]["intra_node_bytes_per_s_per_direction"] == 25e9 and d["hardware"]["mem_bytes"] == 1e9
+
+
+def test_preset_with_overridden_seq(capsys):
+    _, out, _ = _run(capsys, "--model", "llama-2-7b", "--seq", "1024", "--json")
+    assert json.loads(out)["model"]["seq"] == 1024
+
+
+def test_text_report_has_tables_and_memory_bar(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-2-13b", "--tp", "4", "--hardware", "h100-sxm",
+                      "--workload", "inference", "--micro-batch", "8")
+    assert rc == 0
+    for text in ("feasible", "memory per device", "memory [", "communication per step", "decode per token",
+                 "KV transfer", "lower bound"):
+        assert text in out, text
+
+
+def test_search_text_and_json(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-2-70b", "--search", "--devices", "16", "--hardware", "h100-sxm",
+                      "--global-batch", "32", "--zero-stage", "1", "--recompute", "full")
+    assert rc == 0 and "Choose tp=" in out and "layouts ranked by step" in out
+    rc, out, _ = _run(capsys, "--model", "llama-2-7b", "--search", "--devices", "8", "--workload", "inference", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["objective"] == "decode_time_per_token" and d["best"]["tp"] == 8
+
+
+def test_plot_writes_a_png(capsys, tmp_path):
+    path = tmp_path / "sweep.png"
+    rc, _, _ = _run(capsys, "--model", "llama-2-7b", "--plot", str(path), "--json")
+    assert rc == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "llama-9b"], "unknown model 'llama-9b'; valid: llama-2-7b"),
+    (["--model", "llama-2-7b", "--hardware", "b200"], "unknown hardware 'b200'; valid: a100-40gb"),
+    (["--family", "gpt", "--layers", "0", "--hidden", "8", "--heads", "2", "--vocab", "8", "--seq", "4"],
+     "layers (0) must be a positive integer"),
+    (["--model", "llama-2-7b", "--tp", "-2"], "tp (-2) must be a positive integer"),
+    (["--model", "llama-2-7b", "--tp", "2", "--devices", "8"], "tp x pp x dp (2 x 1 x 1 = 2) must equal --devices (8)"),
+    (["--model", "llama-2-7b", "--search"], "--search needs --devices"),
+    (["--family", "gpt", "--layers", "2"], "missing: --hidden, --heads, --vocab, --seq"),
+    (["--model", "llama-2-7b", "--intra-node-link", "ib"], "must be one of a100-80gb's links: nvlink, pcie"),
+    (["--model", "llama-2-7b", "--kv-link", "wifi"], "kv_link ('wifi') must be one of: inter-node, intra-node"),
+    (["--model", "llama-2-7b", "--peak-tflops", "0"], "must be a positive number"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("tensorpar plan: error: ") and needle in err, err
+
+
+def test_bad_choice_from_argparse_is_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "llama-2-7b", "--recompute", "some"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_infeasible_split_is_reported_not_an_error(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-2-7b", "--tp", "3", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["feasible"] is False and "valid tp sizes: 1, 2, 4, 8, 16, 32" in d["reasons"][0]
+
+
+def test_cli_module_imports_rich_and_matplotlib_lazily():
+    code = textwrap.dedent("""
+        import sys
+        import tensorpar.cli.plan, tensorpar.plots
+        bad = [m for m in ("rich", "matplotlib", "torch", "numpy") if m in sys.modules]
+        assert not bad, bad
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

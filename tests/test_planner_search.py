@@ -1,0 +1,119 @@
+"""Feasibility (divisibility with fixes, memory) and the layout search with its explanation."""
+import json
+
+import pytest
+
+from tensorpar.planner import Layout, ModelSpec, get_hardware, get_model, plan, search
+from tensorpar.planner.feasibility import clean_tp_sizes, valid_tp_sizes
+from tensorpar.planner.search import tp_sweep
+
+H100 = get_hardware("h100-sxm")
+
+
+def test_heads_not_divisible_is_infeasible_with_valid_sizes():
+    r = plan(get_model("llama-2-7b"), Layout(tp=3), H100)
+    assert not r.feasible and r.memory_per_device is None
+    assert r.reasons == ["tp (3) must divide heads (32); valid tp sizes: 1, 2, 4, 8, 16, 32"]
+    json.dumps(r.to_dict(), allow_nan=False)
+
+
+def test_kv_heads_replicated_when_tp_is_a_multiple():
+    m = get_model("llama-3-8b")  # 32 heads, 8 kv heads
+    assert valid_tp_sizes(m) == [1, 2, 4, 8, 16, 32]
+    r = plan(m, Layout(tp=16, workload="inference"), H100)
+    assert r.feasible
+    (fix,) = r.fixes
+    assert fix["dimension"] == "kv_heads" and fix["kv_cache_factor"] == 2
+    assert fix["extra_params"] == 32 * 2 * 4096 * 128 * (16 - 8)  # K and V of 8 extra kv heads per layer
+    assert r.kv_cache_bytes_per_token["replication"] == 2
+
+
+def test_kv_heads_neither_dividing_nor_multiple():
+    m = ModelSpec(family="llama", layers=2, hidden=96, heads=12, kv_heads=4, vocab=64, seq=8)
+    assert valid_tp_sizes(m) == [1, 2, 4, 12]
+    r = plan(m, Layout(tp=6), H100)
+    assert not r.feasible and "must divide kv_heads (4) or be a multiple of it; valid tp sizes: 1, 2, 4, 12" in r.reasons[0]
+
+
+def test_vocab_and_ffn_are_padded_with_their_cost():
+    m = ModelSpec(family="gpt", layers=2, hidden=64, heads=8, ffn=100, vocab=50257, seq=32)
+    r = plan(m, Layout(tp=8), H100)
+    assert r.feasible
+    fixes = {f["dimension"]: f for f in r.fixes}
+    assert fixes["vocab"]["extra_params"] == (50264 - 50257) * 64  # tied: one matrix
+    assert fixes["ffn"]["extra_params"] == 2 * (2 * 64 * 4 + 4)  # 100 -> 104, two matrices + fc1 bias
+    assert 0 < fixes["ffn"]["extra_flops_fraction"] < 0.1
+    assert clean_tp_sizes(m) == [1]
+
+
+def test_sequence_parallel_and_pipeline_divisibility():
+    m = ModelSpec(family="llama", layers=6, hidden=64, heads=4, vocab=64, seq=10)
+    r = plan(m, Layout(tp=4, pp=4, sequence_parallel=True), H100)
+    assert any("splits seq (10) over tp (4)" in x for x in r.reasons)
+    assert any("pp (4) must divide layers (6); valid pp sizes: 1, 2, 3, 6" in x for x in r.reasons)
+
+
+def test_memory_over_capacity_names_the_parts_and_remedies():
+    r = plan(get_model("llama-2-70b"), Layout(tp=1), get_hardware("a100-80gb"))
+    assert not r.feasible and r.memory_per_device["total"] > 80e9
+    (reason,) = r.reasons
+    assert reason.startswith("memory per device") and "exceeds capacity 80.00 GB" in reason
+    assert "--recompute full" in reason
+
+
+def test_inference_memory_has_kv_cache_and_no_optimizer():
+    r = plan(get_model("llama-2-7b"), Layout(tp=2, micro_batch=4, workload="inference"), H100)
+    mem = r.memory_per_device
+    assert mem["gradients"] == mem["optimizer"] == 0
+    assert mem["kv_cache"] == 4 * 4096 * r.kv_cache_bytes_per_token["per_device"]
+    assert mem["weights"] == r.params_per_device * 2
+
+
+def test_layout_validation_names_value_and_choices():
+    with pytest.raises(ValueError, match=r"recompute \('some'\) must be one of: none, selective, full"):
+        Layout(recompute="some")
+    with pytest.raises(ValueError, match=r"tp \(0\) must be a positive integer"):
+        Layout(tp=0)
+    with pytest.raises(ValueError, match=r"global_batch \(10\) must be a multiple of micro_batch x dp \(2 x 2 = 4\)"):
+        Layout(dp=2, micro_batch=2, global_batch=10)
+
+
+def test_search_ranks_feasible_first_and_keeps_tp_in_a_node():
+    m = get_model("llama-2-70b")
+    res = search(m, H100, devices=32, global_batch=64, zero_stage=1, recompute="full", sequence_parallel=True)
+    assert len(res.candidates) == 21  # (tp, pp) pairs with tp * pp dividing 32
+    flags = [c["feasible"] for c in res.candidates]
+    assert flags == sorted(flags, reverse=True)
+    feasible = [c for c in res.candidates if c["feasible"]]
+    bounds = [c["bound_s"] for c in feasible]
+    assert bounds == sorted(bounds) and res.best == feasible[0]
+    assert res.best["tp"] <= 8
+    assert any("stays within a node" in line for line in res.explanation)
+    assert all(c["reasons"] for c in res.candidates if not c["feasible"])
+    json.loads(res.to_json(allow_nan=False))
+
+
+def test_search_says_when_tp_is_slower_than_one_device():
+    gpt2 = ModelSpec(family="gpt", layers=12, hidden=768, heads=12, vocab=50257, seq=1024)
+    res = search(gpt2, get_hardware("h100-pcie"), devices=4, workload="inference")
+    text = " ".join(res.explanation)
+    assert "expected to be slower than tp=1" in text
+    assert res.best["tp"] > 1  # the bound halves weight reads; the estimate adds collective latency
+
+
+def test_search_with_nothing_feasible_explains_why():
+    res = search(get_model("llama-3-405b"), get_hardware("a100-40gb"), devices=2)
+    assert res.best is None and res.explanation[0].startswith("No layout of 2 devices is feasible")
+
+
+def test_search_rejects_bad_device_counts():
+    with pytest.raises(ValueError, match=r"devices \(0\) must be a positive integer"):
+        search(get_model("llama-2-7b"), H100, devices=0)
+
+
+def test_tp_sweep_memory_falls_and_comm_rises():
+    rows = tp_sweep(get_model("llama-2-13b"), Layout(micro_batch=1, workload="train"), H100)
+    assert [r["tp"] for r in rows] == valid_tp_sizes(get_model("llama-2-13b"))
+    weights = [r["memory_per_device"]["weights"] for r in rows]
+    comm = [r["comm_bytes_per_device_per_step"]["tp"] for r in rows]
+    assert weights == sorted(weights, reverse=True) and comm[0] == 0 and comm == sorted(comm)
