@@ -96,6 +96,15 @@ def test_full_recompute_reissues_forward_collectives():
     assert not [i for i in tp_collectives(TINY, _lay(recompute="selective"))["per_layer"] if i.recomputed]
 
 
+def test_replicated_kv_heads_all_reduce_their_weight_gradients():
+    # tp = 4 > kv_heads = 2: slots (g=2, d=2, h=8) x 4 bytes = 128 bytes, for k and for v
+    got = tp_collectives(TINY, _lay(tp=4))["per_layer"]
+    rows = [r for r in _rows(got) if r[1] == "layer.attention.kv_replicas"]
+    assert rows == [("all_reduce", "layer.attention.kv_replicas", "backward", 128, 2 * 3 / 4 * 128, 2, False)]
+    assert not [i for i in tp_collectives(TINY, _lay(tp=4, workload="inference"))["per_layer"]
+                if i.where.endswith("kv_replicas")]
+
+
 def test_tp1_issues_nothing_and_inference_loss_is_optional():
     assert tp_collectives(TINY, _lay(tp=1)) == {"per_layer": [], "per_micro_batch": []}
     with_loss = tp_collectives(TINY, _lay(workload="inference"), with_loss=True)["per_micro_batch"]

@@ -72,6 +72,10 @@ def tp_layer_collectives(model: ModelSpec, layout: Layout, *, phase: str | None 
     items = []
     for where, enter, leave in (("layer.attention", "q/k/v", "o_proj"), ("layer.mlp", "up/gate", "down")):
         items += _block_items(where, enter, leave, n, p, layout, phase)
+    if phase == "training" and p > model.kv_heads:
+        rows = model.kv_heads * model.head_dim * (model.hidden + (1 if model.qkv_bias else 0)) * e
+        items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, rows, count=2,
+                          note="k and v weight gradients of replicated kv heads, (g, d, h[+1]) slots"))
     if phase == "training" and layout.sequence_parallel:
         per_norm = 2 if model.family == "gpt" else 1  # LayerNorm weight + bias; RMSNorm weight
         items.append(item("all_reduce", "layer.norms", "backward", "tp", p, model.hidden * e, count=2 * per_norm,
