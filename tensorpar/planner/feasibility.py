@@ -57,7 +57,8 @@ def _kv_replication_fix(model, layout) -> dict:
     return {"dimension": "kv_heads", "fix": f"replicate each of the {g} kv heads on {copies} ranks",
             "extra_params": extra_params, "extra_weight_bytes_per_replica": extra_params * layout.bytes_per_elem,
             "kv_cache_factor": copies,
-            "cost": f"K/V weights and the KV cache of one replica grow {copies}x; no extra communication"}
+            "cost": f"K/V weights and the KV cache of one replica grow {copies}x; in training the replicas' "
+                    "k/v weight gradients are all-reduced once per layer (none in inference)"}
 
 
 def _ffn_padding_fix(model, layout) -> dict:
