@@ -133,3 +133,14 @@ def test_broadcast_bytes_follow_the_chain():
     sent = [dist.ring_bytes_sent("broadcast", 1000, 4, rank=r, src=1) for r in range(4)]
     assert sent == [0, 1000, 1000, 1000]
     assert dist.ring_bytes_sent("broadcast", 1000, 1) == 0
+
+
+def test_single_process_without_a_group_is_a_group_of_one():
+    # No process group initialised: the operators are identities and nothing is recorded.
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    with dist.ledger() as led:
+        y = dist.reduce_from_tp_region(dist.copy_to_tp_region(x))
+        y.sum().backward()
+        z = dist.gather_from_tp_region(dist.scatter_to_tp_region(x))
+    assert torch.equal(y, x) and torch.equal(z, x) and torch.equal(x.grad, torch.ones_like(x))
+    assert led.records == [] and (dist.get_rank(), dist.get_world_size()) == (0, 1)

@@ -12,17 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from tensorpar.dist.groups import get_rank as group_rank
+from tensorpar.dist.groups import get_world_size as group_size
 from tensorpar.dist.ledger import active_ledger
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
-
-
-def group_size(group=None) -> int:
-    return tdist.get_world_size(group)
-
-
-def group_rank(group=None) -> int:
-    return tdist.get_rank(group)
 
 
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, src: int = 0) -> None:
