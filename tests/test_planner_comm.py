@@ -109,6 +109,8 @@ def test_tp1_issues_nothing_and_inference_loss_is_optional():
     assert tp_collectives(TINY, _lay(tp=1)) == {"per_layer": [], "per_micro_batch": []}
     with_loss = tp_collectives(TINY, _lay(workload="inference"), with_loss=True)["per_micro_batch"]
     assert [i.count for i in with_loss if i.where == "cross_entropy"] == [3]
+    fp32_loss = tp_collectives(TINY, _lay(dtype="bf16"), loss_bytes=4)["per_micro_batch"]
+    assert [i.payload_bytes for i in fp32_loss if i.where == "cross_entropy"] == [CE]  # b*s*4
 
 
 def test_pipeline_sends_and_regathers():

@@ -103,13 +103,14 @@ def _block_items(where, enter, leave, n, p, layout, phase) -> list[CommItem]:
 
 
 def tp_collectives(model: ModelSpec, layout: Layout, *, phase: str | None = None, seq: int | None = None,
-                   stage: str = "all", with_loss: bool | None = None) -> dict:
+                   stage: str = "all", with_loss: bool | None = None, loss_bytes: int | None = None) -> dict:
     """Every tensor-parallel collective of one micro-batch on one device.
 
     Returns ``{"per_layer": [...], "per_micro_batch": [...]}``; in ``per_micro_batch`` the
     per-layer items are multiplied by the layers of the stage. ``stage``: ``"all"`` (pp = 1),
     ``"first"`` (embedding), ``"middle"``, ``"last"`` (final norm, LM head, loss).
-    ``with_loss`` (default: training) adds the vocab-parallel cross-entropy.
+    ``with_loss`` (default: training) adds the vocab-parallel cross-entropy, whose all-reduces
+    carry ``loss_bytes`` per token (default the layout's element size: the logits' dtype).
     """
     phase = _phase(layout, phase)
     if stage not in ("all", "first", "middle", "last"):
@@ -125,7 +126,7 @@ def tp_collectives(model: ModelSpec, layout: Layout, *, phase: str | None = None
         head += _embedding_items(model, layout, phase, s)
     if stage in ("all", "last"):
         loss = phase == "training" if with_loss is None else with_loss
-        body += _lm_head_items(model, layout, phase, s, loss)
+        body += _lm_head_items(model, layout, phase, s, loss, loss_bytes or layout.bytes_per_elem)
     return {"per_layer": per_layer, "per_micro_batch": head + body}
 
 
@@ -143,7 +144,7 @@ def _embedding_items(model, layout, phase, s) -> list[CommItem]:
     return items
 
 
-def _lm_head_items(model, layout, phase, s, with_loss) -> list[CommItem]:
+def _lm_head_items(model, layout, phase, s, with_loss, loss_bytes) -> list[CommItem]:
     p, e, b = layout.tp, layout.bytes_per_elem, layout.micro_batch
     n = b * s * model.hidden * e
     training = phase == "training"
@@ -158,7 +159,7 @@ def _lm_head_items(model, layout, phase, s, with_loss) -> list[CommItem]:
     elif training:
         items.append(item("all_reduce", "lm_head", "backward", "tp", p, n, note="dX of the column-parallel LM head"))
     if with_loss:
-        items.append(item("all_reduce", "cross_entropy", "forward", "tp", p, b * s * e, count=3,
+        items.append(item("all_reduce", "cross_entropy", "forward", "tp", p, b * s * loss_bytes, count=3,
                           note="max, target logit and sum of exp per token (logits stay sharded)"))
     return items
 
