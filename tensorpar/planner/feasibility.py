@@ -56,7 +56,7 @@ def _kv_replication_fix(model, layout) -> dict:
     extra_params = model.layers * 2 * h * d * (t - g)  # K and V columns of (t - g) extra kv heads
     return {"dimension": "kv_heads", "fix": f"replicate each of the {g} kv heads on {copies} ranks",
             "extra_params": extra_params, "extra_weight_bytes_per_replica": extra_params * layout.bytes_per_elem,
-            "kv_cache_factor": copies, "tensorpar_runtime_pads": True,
+            "kv_cache_factor": copies, "applied_by_tensorpar_runtime": True,
             "cost": f"K/V weights and the KV cache of one replica grow {copies}x; in training the replicas' "
                     "k/v weight gradients are all-reduced once per layer (none in inference)"}
 
@@ -69,7 +69,7 @@ def _ffn_padding_fix(model, layout) -> dict:
     flops_frac = 2 * model.mlp_matrices * h * pad / sum(layer.values())  # per token and layer
     return {"dimension": "ffn", "fix": f"pad ffn {f} -> {f + pad} (zero columns/rows)",
             "extra_params": extra, "extra_weight_bytes": extra * layout.bytes_per_elem,
-            "extra_flops_fraction": flops_frac, "tensorpar_runtime_pads": False,
+            "extra_flops_fraction": flops_frac, "applied_by_tensorpar_runtime": False,
             "cost": f"{extra:,} zero parameters, {flops_frac:.2%} more layer FLOPs (tensorpar's ParallelMLP "
                     "does not pad: there tp must divide ffn)"}
 
@@ -84,7 +84,7 @@ def _vocab_padding_fix(model, layout) -> dict:
     flops_frac = pad / v * head / per_token
     return {"dimension": "vocab", "fix": f"pad vocab {v} -> {v + pad} (masked zero rows)",
             "extra_params": extra, "extra_weight_bytes": extra * layout.bytes_per_elem,
-            "extra_flops_fraction": flops_frac, "tensorpar_runtime_pads": True,
+            "extra_flops_fraction": flops_frac, "applied_by_tensorpar_runtime": True,
             "cost": f"{extra:,} zero parameters, {flops_frac:.3%} more FLOPs (LM head)"}
 
 
