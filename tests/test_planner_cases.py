@@ -21,12 +21,11 @@ from tensorpar.planner.comm import pp_collectives, tp_collectives
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.params import count_params
 
-ROOT = Path(__file__).resolve().parents[1]
-CANDIDATES = [ROOT / "shared" / "reference_cases" / "planner_cases.json",
-              ROOT.parent / "shared" / "reference_cases" / "planner_cases.json"]
-PATH = next((p for p in CANDIDATES if p.exists()), None)
-pytestmark = pytest.mark.skipif(PATH is None, reason="shared/reference_cases/planner_cases.json not found")
-CASES = json.loads(PATH.read_text())["cases"] if PATH else []
+# The cases ship with the tests, so CI checks them on any clone. When the project's shared/
+# folder sits beside the checkout, its copy must be the same file (drift is a failure, not a skip).
+PATH = Path(__file__).resolve().parent / "data" / "planner_cases.json"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "reference_cases" / "planner_cases.json"
+CASES = json.loads(PATH.read_text())["cases"]
 BY_ID = {c["id"]: c for c in CASES}
 
 # Quoted figures the planner does not (and should not) recompute, with the reason.
@@ -363,3 +362,9 @@ def test_shoeybi_throughput_not_above_peak():
     i = BY_ID["shoeybi2019_scaling_efficiency"]["inputs"]
     assert i["baseline_tflops_single_gpu"] <= 125
     assert i["aggregate_pflops"] * 1e3 <= i["n_gpus"] * 130
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="no shared/ folder beside this checkout")
+def test_shipped_cases_match_the_shared_reference():
+    assert json.loads(SHARED.read_text()) == json.loads(PATH.read_text()), (
+        f"{SHARED} changed: copy it to {PATH} and re-run the planner tests")
