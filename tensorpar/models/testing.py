@@ -78,8 +78,15 @@ def make_tiny_checkpoint(directory, family: str = "llama", *, seed: int = 0,
 
     ``make_tiny_checkpoint(d, "llama", **BENCH_LLAMA)`` writes the benchmark's ~25M model.
     """
+    from transformers.utils import logging as hf_logging
     model = make_tiny_model(family, seed=seed, dtype=dtype, head=head, **sizes)
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # library code does not print
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return path

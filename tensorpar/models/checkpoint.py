@@ -1,0 +1,257 @@
+"""Load a safetensors checkpoint straight into this rank's shards, never the full model.
+
+1. check the directory (``config.json``, ``model.safetensors`` or a sharded index) and the
+   model type (a known family);
+2. build the model on the meta device (no parameter memory), check every tensor it needs is in
+   the checkpoint with the right shape, and ``parallelize`` it there: the plan, feasibility
+   checks and all module swaps happen before a byte of weight is read;
+3. read each parameter's :class:`~tensorpar.models.styles.ShardSpec` pieces with
+   ``safe_open(...).get_slice(key)[index]``: only this rank's rows or columns are copied.
+
+The :class:`LoadReport` compares the growth of the process's peak resident memory during step 3
+(Linux: ``/proc/self/clear_refs`` resets the peak) with the bytes of this rank's shard. Pages of
+the memory-mapped file touched while reading count too: a column slice of a row-major matrix
+whose rows are shorter than a page touches every page of it.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tensorpar.models.plans import FAMILIES
+from tensorpar.models.styles import ShardSpec
+
+
+@dataclass
+class LoadReport:
+    path: str
+    family: str
+    tp_size: int
+    tp_rank: int
+    checkpoint_bytes: int  # every tensor in the checkpoint
+    shard_bytes: int  # this rank's parameters and buffers after loading
+    bytes_read: int  # bytes of the slices copied out of the checkpoint
+    peak_rss_delta_bytes: int | None  # peak resident-memory growth while reading (None: not Linux)
+    unexpected_keys: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=None):
+    """``(model, LoadReport)``: the checkpoint in ``path`` parallelized over ``tp_group``.
+
+    ``dtype``: of the loaded parameters (default: ``config.dtype``, else float32).
+    ``model_class``: a transformers class (default: ``config.architectures[0]``).
+    """
+    from tensorpar.apply import parallelize
+
+    path = Path(path)
+    files, config = _check_dir(path), _read_config(path)
+    dtype = _pick_dtype(dtype, config)
+    with ExitStack() as stack:
+        handles = _open_all(files, stack)
+        model = _meta_model(config, model_class, dtype)
+        rename = _check_tensors(model, handles, path)
+        parallelize(model, plan, tp_group=tp_group)
+        peak = _PeakRSS()
+        bytes_read = _materialize(model, handles, rename, dtype)
+        peak_delta = peak.delta()
+        total = sum(_nbytes(handles[k], k) for k in handles)
+    unexpected = sorted(set(handles) - _needed_keys(model, rename))
+    rep = model.tp_report
+    shard = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return model, LoadReport(str(path), rep.family, rep.tp_size, rep.tp_rank, total, shard,
+                             bytes_read, peak_delta, unexpected)
+
+
+# ---- the directory -----------------------------------------------------------------------------
+
+def _check_dir(path: Path) -> dict:
+    """``{tensor_name: file}``; ValueError for a missing or incomplete directory."""
+    if not path.is_dir():
+        raise ValueError(f"checkpoint directory {str(path)!r} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"checkpoint directory {str(path)!r} has no config.json; found "
+                         f"{sorted(p.name for p in path.iterdir())}")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing:
+            raise ValueError(f"checkpoint {str(path)!r}: index names files that are missing: {missing}")
+        return {k: path / f for k, f in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"checkpoint directory {str(path)!r} has neither model.safetensors nor "
+                         f"model.safetensors.index.json; found {sorted(p.name for p in path.iterdir())}")
+    return {None: single}
+
+
+def _read_config(path: Path):
+    try:
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {exc}") from None
+    if kind not in FAMILIES:
+        raise ValueError(f"checkpoint {str(path)!r}: model_type {kind!r} is not supported; valid: "
+                         f"{', '.join(FAMILIES)}")
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def _pick_dtype(dtype, config):
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        return dtype
+    stored = getattr(config, "dtype", None)
+    return stored if isinstance(stored, torch.dtype) else torch.float32
+
+
+def _open_all(files: dict, stack: ExitStack) -> dict:
+    """``{tensor_name: safe_open handle}`` over every file of the checkpoint."""
+    from safetensors import safe_open
+    handles, opened = {}, {}
+    for key, file in files.items():
+        if file not in opened:
+            opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+        if key is not None:
+            handles[key] = opened[file]
+    if None in files:
+        handles = {k: opened[files[None]] for k in opened[files[None]].keys()}
+    return handles
+
+
+def _meta_model(config, model_class, dtype) -> nn.Module:
+    """The model with its parameters on the meta device (buffers real), tied as the config says."""
+    import transformers
+    from accelerate import init_empty_weights
+    if model_class is None:
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        model_class = getattr(transformers, arch, None) if arch else None
+        model_class = model_class or transformers.AutoModel.from_config
+    with init_empty_weights():
+        model = model_class(config) if isinstance(model_class, type) else model_class(config)
+    model = model.to(dtype)
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    return model.eval()
+
+
+# ---- checking the tensors against the model ------------------------------------------------------
+
+def _groups(model) -> list[list[str]]:
+    """Names of each parameter (several when tied) and of each persistent buffer."""
+    by_id = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), (p, []))[1].append(name)
+    buffers = [[n] for n in model.state_dict(keep_vars=True) if n not in
+               {x for _, names in by_id.values() for x in names}]
+    return [names for _, names in by_id.values()] + buffers
+
+
+def _renamer(model, keys: set):
+    """Checkpoint key of a model name (bare-model checkpoints load into head models and back)."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+
+    def rename(name: str) -> str | None:
+        for cand in (name, name[len(prefix):] if name.startswith(prefix) else None, prefix + name):
+            if cand in keys:
+                return cand
+        return None
+    return rename
+
+
+def _check_tensors(model, handles: dict, path: Path):
+    rename = _renamer(model, set(handles))
+    shapes = dict(model.state_dict(keep_vars=True).items())
+    missing, wrong = [], []
+    for names in _groups(model):
+        key = next((rename(n) for n in names if rename(n)), None)
+        if key is None:
+            missing.append(names[0])
+            continue
+        found = tuple(handles[key].get_slice(key).get_shape())
+        if found != tuple(shapes[names[0]].shape):
+            wrong.append(f"{key}: checkpoint {found}, model {tuple(shapes[names[0]].shape)}")
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is missing {len(missing)} tensors that "
+                         f"{type(model).__name__} needs, e.g. {missing[:4]}")
+    if wrong:
+        raise ValueError(f"checkpoint {str(path)!r} does not match its config.json: {len(wrong)} "
+                         f"tensors have other shapes, e.g. {wrong[:3]}")
+    return rename
+
+
+def _needed_keys(model, rename) -> set:
+    return {rename(n) for names in _groups(model) for n in names if rename(n)}
+
+
+def _nbytes(handle, key) -> int:
+    sl = handle.get_slice(key)
+    n = 1
+    for s in sl.get_shape():
+        n *= s
+    size = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+    return n * size.get(sl.get_dtype(), 4)
+
+
+# ---- reading the shards ---------------------------------------------------------------------------
+
+def _read(handle, key: str, spec: ShardSpec, counter: list) -> torch.Tensor:
+    sl = handle.get_slice(key)
+
+    def get(index):
+        block = sl[index] if index else sl[:]
+        counter[0] += block.numel() * block.element_size()
+        return block
+    return spec.take(get)
+
+
+def _materialize(model, handles, rename, dtype) -> int:
+    """Replace every meta parameter (and meta persistent buffer) by its shard read from disk."""
+    counter, new_of = [0], {}
+    for name, p in model.named_parameters():
+        spec = getattr(p, "tp_spec", None) or ShardSpec(name)
+        key = rename(spec.key) or rename(name)
+        t = _read(handles[key], key, spec, counter).to(dtype)
+        new = nn.Parameter(t.contiguous(), requires_grad=p.requires_grad)
+        new.tp_replicas, new.tp_spec = p.tp_replicas, spec
+        new_of[id(p)] = new
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new_of:
+                mod._parameters[pname] = new_of[id(p)]
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            key = rename(name)
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = _read(handles[key], key, ShardSpec(key), counter)
+    return counter[0]
+
+
+class _PeakRSS:
+    """Peak resident-set growth from now (Linux ``VmHWM`` after a reset), else None."""
+
+    def __init__(self):
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+            self.base = self._status("VmRSS")
+        except OSError:
+            self.base = None
+
+    @staticmethod
+    def _status(field_name: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+        raise OSError(field_name)
+
+    def delta(self) -> int | None:
+        return None if self.base is None else self._status("VmHWM") - self.base

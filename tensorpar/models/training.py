@@ -1,0 +1,83 @@
+"""Training a parallelized causal LM: the loss from vocab-sharded logits, global-norm clipping.
+
+Any torch optimizer steps the sharded parameters as they are: each rank updates its own shard,
+and every replicated parameter receives the same gradient on every rank (the f/g operators
+make the gradients entering replicated regions whole), so the copies stay equal. What needs
+the group is the gradient norm used for clipping (Megatron-LM's ``clip_grad_norm``,
+Shoeybi et al. 2019): with ``r_p`` the number of ranks holding an identical copy of ``p``
+(``p.tp_replicas``, set by ``parallelize``: 1 for a shard, tp for a replicated tensor,
+tp / n_kv_heads for a replicated KV head),
+
+    ||g||^2 = all_reduce_sum( sum_p ||g_p||^2 / r_p )
+
+counts every parameter exactly once with one all-reduce of one number.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tensorpar import dist
+from tensorpar.nn import ColumnParallelLinear, vocab_parallel_cross_entropy
+
+
+def _group(model):
+    report = getattr(model, "tp_report", None)
+    return (report.tp_group, report.tp_size) if report is not None else (None, 1)
+
+
+def causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of a Hugging Face causal LM (``labels`` default ``input_ids``).
+
+    On a parallelized model the output head's logits stay sharded by vocabulary
+    (``(B, T, ceil(V/tp))`` per rank, never gathered) and go into
+    ``vocab_parallel_cross_entropy``: three all-reduces of ``B*T`` numbers instead of an
+    all-gather of ``B*T*V``. ``-100`` labels are ignored.
+    """
+    labels = input_ids if labels is None else labels
+    target = labels[:, 1:]  # (B, T-1): token t+1 is predicted at position t
+    head = model.get_output_embeddings()
+    if isinstance(head, ColumnParallelLinear) and head.tp_size > 1:
+        head.gather_output = False
+        try:
+            logits_shard = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V/p)
+        finally:
+            head.gather_output = True
+        return vocab_parallel_cross_entropy(logits_shard[:, :-1], target, tp_group=head.tp_group,
+                                            vocab_size=head.out_features)
+    logits = model(input_ids=input_ids, use_cache=False).logits  # (B, T, V)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+@torch.no_grad()
+def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tensor:
+    """Scale all gradients by ``min(1, max_norm / (||g|| + eps))``; return ``||g||``.
+
+    ``||g||`` is the 2-norm over the whole (unsharded) model, as
+    ``torch.nn.utils.clip_grad_norm_`` on the dense model computes it.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    group, tp_size = _group(model)
+    grads = [(p.grad, getattr(p, "tp_replicas", 1)) for p in model.parameters() if p.grad is not None]
+    if not grads:
+        raise ValueError("no parameter has a gradient; call backward() before clip_grad_norm_")
+    sq = sum(g.pow(2).sum().to(torch.float64) / r for g, r in grads).reshape(1)  # (1,)
+    if tp_size > 1:
+        dist.all_reduce(sq, group=group)  # sum of every rank's share
+    total = sq.sqrt()[0]
+    coef = (max_norm / (total + eps)).clamp(max=1.0)
+    for g, _ in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
+               max_norm: float | None = None) -> dict:
+    """One step: loss, backward, optional clipping, optimizer step; ``{"loss", "grad_norm"}``."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = causal_lm_loss(model, input_ids, labels)
+    loss.backward()
+    norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
+    optimizer.step()
+    return {"loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm)}
