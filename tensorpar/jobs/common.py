@@ -1,0 +1,90 @@
+"""What `run` and `verify` share: checking a checkpoint and a tp size before any rank starts."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# Largest relative difference (max |split - unsplit| / max |unsplit|) accepted per dtype. The split
+# model sums the same products in another order (per-rank partial sums, then the all-reduce), so
+# results differ by rounding only: float64 and float32 keep the layer tests' bounds (1e-10, 1e-5;
+# measured on the test models and MiniLM: below 1e-13 and 1e-6); half precisions allow a few
+# units of their rounding (bf16 u = 3.9e-3, fp16 u = 4.9e-4) through a model's depth.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 5e-3}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    family: str
+    config: dict  # config.json as a plain dict
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r} is not supported; valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """Check ``path`` is a supported Hugging Face checkpoint directory, without loading weights."""
+    from tensorpar.models.plans import FAMILIES, model_family
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"--model {str(path)!r} is not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{path} has no *.safetensors weights; tensorpar loads safetensors checkpoints")
+    config = json.loads(cfg_file.read_text())
+    family = model_family(_AsConfig(config))
+    if family is None:
+        raise ValueError(f"model type {config.get('model_type')!r} in {cfg_file} is not supported; "
+                         f"valid: {', '.join(FAMILIES)}")
+    return Checkpoint(path, family, config)
+
+
+class _AsConfig:
+    """Attribute view of a config dict, enough for family detection and size checks."""
+
+    def __init__(self, d: dict):
+        self.__dict__.update(d)
+
+
+def quiet_transformers() -> None:
+    """Library code does not print: no "Loading weights" bars from transformers on the ranks."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:
+    """Raise ValueError naming the valid tp sizes unless ``tp`` fits; return the fixes it needs."""
+    from transformers import AutoConfig
+
+    from tensorpar.models.feasibility import check_feasibility
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be a positive integer, got {tp!r}")
+    report = check_feasibility(AutoConfig.from_pretrained(ckpt.path), tp)
+    if not report.ok:
+        raise ValueError(report.error_message())
+    return report.fixes
+
+
+def is_decoder(ckpt: Checkpoint) -> bool:
+    return ckpt.family != "bert"
+
+
+def param_count(model) -> int:
+    return sum(p.numel() for p in model.parameters())
