@@ -91,7 +91,7 @@ def _forward_case(family, dense, group, tp, ids) -> dict:
                             do_sample=False, pad_token_id=0)
         res.update(tokens_equal=torch.equal(got, want), hf_equal=torch.equal(want, hf),
                    cache_heads=cache.layers[0].keys.shape[1], cache_len=cache.layers[0].keys.shape[2])
-    if family == "llama" and tp > 1:
+    if tp > 1:
         with dist.ledger() as led:
             model(input_ids=ids).logits.sum().backward()
         res["bwd_ops"] = [r.op for r in led.records if r.phase == "backward"]
@@ -141,7 +141,7 @@ def _dense_curve(model, steps, ids, max_norm) -> tuple[list, list]:
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, norms
 
 

@@ -92,10 +92,14 @@ def test_one_all_reduce_per_block_forward(results, family):
             assert sorted(res["fwd_ops"]) == sorted(want), (tp, res["fwd_ops"])
 
 
-def test_backward_one_all_reduce_per_block_plus_replicated_kv_sync(results):
-    for tp, n in ((2, 5), (4, 5 + 4)):  # 2 layers x (attention, MLP) + head; tp 4: + k, v per layer
-        for _, res in _members(results, ("llama", tp)):
-            assert res["bwd_ops"] == ["all_reduce"] * n
+@pytest.mark.parametrize("family", W.FAMILIES)
+def test_backward_one_all_reduce_per_block_plus_replicated_kv_sync(results, family):
+    for tp in (2, 3, 4):
+        # 2 layers x (attention, MLP) + output head; replicated KV heads: + k and v per layer
+        n = 5 + (4 if (family, tp) in KV_REPLICATED else 0)
+        for _, res in _members(results, (family, tp)):
+            if "bwd_ops" in res:
+                assert res["bwd_ops"] == ["all_reduce"] * n, (tp, res["bwd_ops"])
 
 
 def test_fixes_are_reported(results):

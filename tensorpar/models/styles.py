@@ -127,7 +127,8 @@ def _check_conv(module, style, name):
 
 def conv1d_colwise(module, ctx, name):
     _check_conv(module, "conv1d_colwise", name)
-    mod, _ = _column(_conv_as_linear(module, module.weight.t(), module.bias), ctx)
+    mod, _ = _column(_conv_as_linear(module, module.weight.t(), module.bias), ctx,
+                     skip_input_comm=ctx.in_region)
     cols = ShardSpec("", 1, ((mod.output_start_index, mod.output_end_index),), transpose=True)
     return mod, {"weight": cols, "bias": ShardSpec("", 0, cols.pieces)}
 
@@ -155,7 +156,8 @@ def conv1d_qkv(module, ctx, name):
     pieces = tuple((part * h + r * per, part * h + (r + 1) * per) for r in range(p) for part in range(3))
     order = torch.cat([torch.arange(a, b) for a, b in pieces])  # rank-major [q_r, k_r, v_r]
     w_t = module.weight.t()[order.to(module.weight.device)]  # (3h, in), permuted rows
-    mod, _ = _column(_conv_as_linear(module, w_t, module.bias[order.to(module.bias.device)]), ctx)
+    linear = _conv_as_linear(module, w_t, module.bias[order.to(module.bias.device)])
+    mod, _ = _column(linear, ctx, skip_input_comm=ctx.in_region)
     mine = pieces[3 * ctx.tp_rank: 3 * ctx.tp_rank + 3]
     return mod, {"weight": ShardSpec("", 1, mine, transpose=True), "bias": ShardSpec("", 0, mine)}
 
