@@ -46,9 +46,20 @@ def ring_bytes_sent(op: str, payload_bytes: float, p: int) -> float:
     _check(op, p)
     if p == 1 and op != "send":
         return 0
-    factor = {"all_reduce": 2 * (p - 1), "all_gather": p - 1, "reduce_scatter": p - 1}.get(op)
-    sent = payload_bytes if factor is None else factor * payload_bytes / p
+    # The same float expression as tensorpar.dist.ledger, so predictions equal records bit for bit.
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}.get(op, 1.0)
+    sent = factor * payload_bytes
     return int(sent) if float(sent).is_integer() else sent
+
+
+def broadcast_bytes_sent(payload_bytes: int, p: int, rank: int, src: int = 0) -> int:
+    """Bytes group rank ``rank`` sends in a pipelined-chain broadcast from ``src`` (the ledger's
+    model, NCCL's ring broadcast): the chain runs src -> src+1 -> ... and every member forwards
+    ``N`` except its last, ``(src - 1) mod p``, which sends nothing."""
+    _check("broadcast", p)
+    if not 0 <= rank < p or not 0 <= src < p:
+        raise ValueError(f"rank ({rank}) and src ({src}) must lie in [0, {p}) for a group of {p}")
+    return 0 if p == 1 or rank == (src - 1) % p else payload_bytes
 
 
 def unavoidable_device_bytes(op: str, payload_bytes: float, p: int) -> float:

@@ -7,6 +7,7 @@ micro-batch of shape (b, s) with ``N = b s h e``:
     each layer         attention and MLP: forward all_reduce N each, backward all_reduce N each
                        (SP: all_gather N before, reduce_scatter N after, mirrored in backward)
     LM head            backward all_reduce N of dX         (SP: forward all_gather N, bwd reduce_scatter N)
+                       gathered logits (an ordinary forward): forward all_gather of b s ceil(V/t) t e
     cross-entropy      three forward all_reduces of b s e_loss (max, target logit, sum of exp)
 
 Under sequence parallelism the gradients of replicated parameters that see only a sequence shard
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from .collectives import ring_bytes_sent
 from .layout import Layout
 from .models import ModelSpec
-from .params import layers_per_stage, position_params
+from .params import layers_per_stage, padded, position_params
 
 
 @dataclass(frozen=True)
@@ -102,32 +103,45 @@ def _block_items(where, enter, leave, n, p, layout, phase) -> list[CommItem]:
     return fwd + (again if layout.recompute == "full" else []) + bwd
 
 
+HEADS = ("sharded", "gathered", "none")
+
+
 def tp_collectives(model: ModelSpec, layout: Layout, *, phase: str | None = None, seq: int | None = None,
-                   stage: str = "all", with_loss: bool | None = None, loss_bytes: int | None = None) -> dict:
+                   stage: str = "all", with_loss: bool | None = None, loss_bytes: int | None = None,
+                   head: str = "sharded", loss_tokens: int | None = None) -> dict:
     """Every tensor-parallel collective of one micro-batch on one device.
 
     Returns ``{"per_layer": [...], "per_micro_batch": [...]}``; in ``per_micro_batch`` the
     per-layer items are multiplied by the layers of the stage. ``stage``: ``"all"`` (pp = 1),
     ``"first"`` (embedding), ``"middle"``, ``"last"`` (final norm, LM head, loss).
-    ``with_loss`` (default: training) adds the vocab-parallel cross-entropy, whose all-reduces
+    ``head``: ``"sharded"`` (logits stay split by vocabulary, Megatron-LM), ``"gathered"``
+    (the LM head all-gathers the logits, as an ordinary forward of tensorpar's runtime does),
+    ``"none"`` (a bare model without output head). ``with_loss`` (default: training) adds the
+    vocab-parallel cross-entropy over ``loss_tokens`` tokens (default b s), whose all-reduces
     carry ``loss_bytes`` per token (default the layout's element size: the logits' dtype).
     """
     phase = _phase(layout, phase)
     if stage not in ("all", "first", "middle", "last"):
         raise ValueError(f"stage ({stage!r}) must be one of: all, first, middle, last")
+    if head not in HEADS:
+        raise ValueError(f"head ({head!r}) must be one of: {', '.join(HEADS)}")
     s = model.seq if seq is None else seq
     per_layer = tp_layer_collectives(model, layout, phase=phase, seq=s)
     if layout.tp == 1:
         return {"per_layer": [], "per_micro_batch": []}
     n_layers = layers_per_stage(model, layout.pp) if layout.pp > 1 else model.layers
     body = [replace(i, count=i.count * n_layers) for i in per_layer]
-    head = []
+    first = []
     if stage in ("all", "first"):
-        head += _embedding_items(model, layout, phase, s)
+        first += _embedding_items(model, layout, phase, s)
     if stage in ("all", "last"):
         loss = phase == "training" if with_loss is None else with_loss
-        body += _lm_head_items(model, layout, phase, s, loss, loss_bytes or layout.bytes_per_elem)
-    return {"per_layer": per_layer, "per_micro_batch": head + body}
+        tokens = layout.micro_batch * s if loss_tokens is None else loss_tokens
+        if head != "none":
+            body += _lm_head_items(model, layout, phase, s, head == "gathered")
+        if loss:
+            body.append(_loss_item(layout, tokens, loss_bytes or layout.bytes_per_elem))
+    return {"per_layer": per_layer, "per_micro_batch": first + body}
 
 
 def _embedding_items(model, layout, phase, s) -> list[CommItem]:
@@ -144,11 +158,15 @@ def _embedding_items(model, layout, phase, s) -> list[CommItem]:
     return items
 
 
-def _lm_head_items(model, layout, phase, s, with_loss, loss_bytes) -> list[CommItem]:
+def _lm_head_items(model, layout, phase, s, gathered) -> list[CommItem]:
     p, e, b = layout.tp, layout.bytes_per_elem, layout.micro_batch
     n = b * s * model.hidden * e
     training = phase == "training"
     items = []
+    if gathered:
+        logits = b * s * padded(model.vocab, p) * e  # (B, T, ceil(V/t) t): padded columns travel too
+        items.append(item("all_gather", "lm_head", "forward", "tp", p, logits,
+                          note="logits gathered over the vocabulary (its backward keeps the own slice)"))
     if layout.sequence_parallel:
         items.append(item("all_gather", "lm_head", "forward", "tp", p, n, note="sequence gather before the LM head"))
         if training:
@@ -158,10 +176,12 @@ def _lm_head_items(model, layout, phase, s, with_loss, loss_bytes) -> list[CommI
             items.append(item("reduce_scatter", "lm_head", "backward", "tp", p, n, note="dX of the gather"))
     elif training:
         items.append(item("all_reduce", "lm_head", "backward", "tp", p, n, note="dX of the column-parallel LM head"))
-    if with_loss:
-        items.append(item("all_reduce", "cross_entropy", "forward", "tp", p, b * s * loss_bytes, count=3,
-                          note="max, target logit and sum of exp per token (logits stay sharded)"))
     return items
+
+
+def _loss_item(layout, tokens, loss_bytes) -> CommItem:
+    return item("all_reduce", "cross_entropy", "forward", "tp", layout.tp, tokens * loss_bytes, count=3,
+                note="max, target logit and sum of exp per token (logits stay sharded)")
 
 
 def pp_collectives(model: ModelSpec, layout: Layout, *, stage: str, seq: int | None = None,

@@ -163,8 +163,7 @@ _GPT_TYPES = ("gpt2", "gpt_bigcode", "openai-gpt")
 
 
 def from_hf_config(path, *, seq: int | None = None) -> ModelSpec:
-    """Shapes from a Hugging Face ``config.json``: Llama-style (llama, mistral, qwen2, qwen3) or
-    GPT-2-style (gpt2) field names. ``seq`` defaults to ``max_position_embeddings`` / ``n_positions``."""
+    """Shapes from a Hugging Face ``config.json`` file (see :func:`from_hf_dict`)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such config.json: {path}")
@@ -172,8 +171,19 @@ def from_hf_config(path, *, seq: int | None = None) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    return from_hf_dict(cfg, seq=seq, name=cfg.get("_name_or_path") or path.parent.name or "hf",
+                        source=str(path))
+
+
+def from_hf_dict(cfg: dict, *, seq: int | None = None, name: str | None = None,
+                 source: str = "the config") -> ModelSpec:
+    """Shapes from a Hugging Face config as a dict (``config.to_dict()`` or a parsed
+    ``config.json``): Llama-style (llama, mistral, qwen2, qwen3) or GPT-2-style (gpt2) field
+    names. ``seq`` defaults to ``max_position_embeddings`` / ``n_positions``."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"a Hugging Face config must be a dict (config.to_dict()); got {type(cfg).__name__}")
     kind = cfg.get("model_type", "")
-    name = cfg.get("_name_or_path") or path.parent.name or "hf"
+    name = name or cfg.get("_name_or_path") or "hf"
     if kind in _LLAMA_TYPES:
         return ModelSpec(
             name=name, family="llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
@@ -188,8 +198,9 @@ def from_hf_config(path, *, seq: int | None = None) -> ModelSpec:
             name=name, family="gpt", layers=cfg.get("n_layer", cfg.get("num_hidden_layers")),
             hidden=hidden, heads=cfg.get("n_head", cfg.get("num_attention_heads")),
             ffn=cfg.get("n_inner") or 4 * hidden, vocab=cfg["vocab_size"],
-            seq=seq or cfg.get("n_positions", 1024), max_positions=cfg.get("n_positions"))
-    raise ValueError(f"unsupported model_type {kind!r} in {path}; valid: "
+            seq=seq or cfg.get("n_positions", 1024), max_positions=cfg.get("n_positions"),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    raise ValueError(f"unsupported model_type {kind!r} in {source}; valid: "
                      f"{', '.join(_LLAMA_TYPES + _GPT_TYPES)}")
 
 
