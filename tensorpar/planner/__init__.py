@@ -11,21 +11,26 @@ Standard library only (no numpy, no torch). Every formula is a small function in
 - :mod:`.collectives` / :mod:`.comm` bytes per collective, and the collectives a layout issues,
 - :mod:`.timing` lower bounds on time (and estimates, which are not bounds),
 - :mod:`.feasibility` divisibility and memory checks with fixes and their cost,
-- :mod:`.report` ``plan()``, and :mod:`.search` the layout search.
+- :mod:`.report` ``plan()``, and :mod:`.search` the layout search,
+- :mod:`.hf` / :mod:`.predict` a Hugging Face model as tensorpar's runtime shards and runs it:
+  parameters per rank and every collective it issues (``predict_collectives``).
 """
 from .comm import CommItem, dp_collectives, pp_collectives, tp_collectives, tp_layer_collectives
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, custom_hardware, get_hardware
+from .hf import params_per_rank
 from .layout import Layout
 from .models import PRESETS as MODEL_PRESETS
-from .models import ModelSpec, from_hf_config, get_model
+from .models import ModelSpec, from_hf_config, from_hf_dict, get_model
 from .params import count_params, param_breakdown, params_per_device
+from .predict import PredictedCollective, RuntimePrediction, predict_collectives
 from .report import PlanReport, plan
 from .search import SearchResult, search
 
 __all__ = [
     "CommItem", "HARDWARE_PRESETS", "Hardware", "Layout", "MODEL_PRESETS", "ModelSpec", "PlanReport",
-    "SearchResult", "count_params", "custom_hardware", "dp_collectives", "from_hf_config", "get_hardware",
-    "get_model", "param_breakdown", "params_per_device", "plan", "pp_collectives", "search",
+    "PredictedCollective", "RuntimePrediction", "SearchResult", "count_params", "custom_hardware",
+    "dp_collectives", "from_hf_config", "from_hf_dict", "get_hardware", "get_model", "param_breakdown",
+    "params_per_device", "params_per_rank", "plan", "pp_collectives", "predict_collectives", "search",
     "tp_collectives", "tp_layer_collectives",
 ]
