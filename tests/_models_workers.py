@@ -167,3 +167,119 @@ def training_worker(cases, steps=20, max_norm=0.5) -> dict:
         tp_loss, tp_norm = _tp_curve(sharded, steps, ids, max_norm)
         out[(family, tp, dtype_name)] = {"ref": ref_loss, "tp": tp_loss, "ref_norm": ref_norm, "tp_norm": tp_norm}
     return out
+
+
+# ---- checkpoints, MiniLM, the discovered plan ------------------------------------------------
+
+SENTENCES = ["The cat sits on the mat.",
+             "Tensor parallelism splits each weight matrix across several devices and sums the pieces.",
+             "hello", "Ein Satz auf Deutsch, mit Umlauten: äöü."]
+
+
+def _checkpoint_case(family, path, group) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tensorpar.models.checkpoint import load_sharded
+    model, report = load_sharded(path, tp_group=group)
+    in_memory = parallelize(make_tiny_model(family, dtype=torch.float32), tp_group=group)
+    a, b = model.state_dict(), in_memory.state_dict()
+    dense = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = _ids(5)
+    with torch.no_grad():
+        rel = _rel(model(input_ids=ids).logits, dense(input_ids=ids).logits)
+    return {"same_shards": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+            "logits_rel": rel, "report": report.to_dict()}
+
+
+def _minilm_result(model, emb, dense_emb, report) -> dict:
+    return {"max_abs": float((emb - dense_emb).abs().max()), "report": report.to_dict(),
+            "per_rank": model.tp_report.params_per_rank, "total": model.tp_report.params_total,
+            "norms": emb.norm(dim=1).tolist()}
+
+
+def _discovered_case(group) -> dict:
+    dense = Toy().double()
+    ids = _ids(11, (2, 6)) % Toy.VOCAB
+    model = parallelize(copy.deepcopy(dense), tp_group=group, example_inputs=(ids,))
+    with torch.no_grad():
+        rel = _rel(model(ids), dense(ids))
+    return {"rel": rel, "styles": model.tp_report.styles, "notes": model.tp_report.notes,
+            "source": model.tp_report.source}
+
+
+def checkpoint_worker(tiny_dirs: dict) -> dict:
+    """MiniLM at tp 4, 2 and 3 (tp 4 first: the only load whose memory growth is measured in a
+    fresh process; later loads reuse freed heap); tiny checkpoints at tp 2, 3 (where they fit)
+    and 4; the toy model under the discovered plan at tp 2 and 4."""
+    from transformers import AutoTokenizer, BertModel
+
+    from tensorpar.models.minilm import load_minilm, minilm_path, sentence_embeddings
+    groups, rank, out = tp_groups(), dist.get_rank(), {}
+    first, tok, first_report = load_minilm(tp_group=groups[4][0])
+    first_emb = sentence_embeddings(first, tok, SENTENCES)
+    dense = BertModel.from_pretrained(minilm_path()).eval()
+    dense_emb = sentence_embeddings(dense, AutoTokenizer.from_pretrained(minilm_path()), SENTENCES)
+    out[("minilm", 4)] = {**_minilm_result(first, first_emb, dense_emb, first_report), "fresh": True}
+    for tp in (2, 3, 4):
+        group, members = groups[tp]
+        if rank not in members:
+            continue
+        for family, path in tiny_dirs.items():
+            if not (tp == 3 and family in TP3_DOES_NOT_FIT):
+                out[("ckpt", family, tp)] = _checkpoint_case(family, path, group)
+        if tp != 4:
+            model, tok, report = load_minilm(tp_group=group)
+            emb = sentence_embeddings(model, tok, SENTENCES)
+            out[("minilm", tp)] = {**_minilm_result(model, emb, dense_emb, report), "fresh": False}
+        if tp != 3:
+            out[("toy", tp)] = _discovered_case(group)
+    return out
+
+
+class ToyMLP(torch.nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(h, f), torch.nn.Linear(f, h)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class NormedMLP(ToyMLP):
+    """A LayerNorm over the MLP width between the pair: not column-local, must stay whole."""
+
+    def __init__(self, h, f):
+        super().__init__(h, f)
+        self.norm = torch.nn.LayerNorm(f)
+
+    def forward(self, x):
+        return self.fc2(self.norm(self.fc1(x)))
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.norm, self.mlp = torch.nn.LayerNorm(h), ToyMLP(h, f)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))  # the residual makes the block itself no pair
+
+
+class Toy(torch.nn.Module):
+    """A model no family plan knows: embedding, two residual MLP blocks, a normed MLP, tied head."""
+    VOCAB, HIDDEN, FFN = 30, 16, 32
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(self.VOCAB, self.HIDDEN)
+        self.blocks = torch.nn.ModuleList([ToyBlock(self.HIDDEN, self.FFN) for _ in range(2)])
+        self.extra = NormedMLP(self.HIDDEN, self.FFN)
+        self.head = torch.nn.Linear(self.HIDDEN, self.VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)  # (B, T, H)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x + self.extra(x))  # (B, T, V)

@@ -8,15 +8,16 @@
 3. read each parameter's :class:`~tensorpar.models.styles.ShardSpec` pieces with
    ``safe_open(...).get_slice(key)[index]``: only this rank's rows or columns are copied.
 
-The :class:`LoadReport` compares the growth of the process's peak resident memory during step 3
-(Linux: ``/proc/self/clear_refs`` resets the peak) with the bytes of this rank's shard. Pages of
-the memory-mapped file touched while reading count too: a column slice of a row-major matrix
-whose rows are shorter than a page touches every page of it.
+Each tensor's file is memory-mapped only while that tensor is read, and each block is copied
+once, straight into the (padded, transposed) shard. The :class:`LoadReport` compares, with the
+bytes of this rank's shard: the growth of private resident memory (the shard itself) and of
+peak resident memory (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), which also
+counts the file pages mapped for the tensor being read: at most one tensor's slices, or the
+whole tensor for a column slice of a matrix whose rows are shorter than a page.
 """
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class LoadReport:
     shard_bytes: int  # this rank's parameters and buffers after loading
     bytes_read: int  # bytes of the slices copied out of the checkpoint
     peak_rss_delta_bytes: int | None  # peak resident-memory growth while reading (None: not Linux)
+    anon_rss_delta_bytes: int | None  # growth of private (non-file) resident memory
     unexpected_keys: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -54,20 +56,19 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     path = Path(path)
     files, config = _check_dir(path), _read_config(path)
     dtype = _pick_dtype(dtype, config)
-    with ExitStack() as stack:
-        handles = _open_all(files, stack)
-        model = _meta_model(config, model_class, dtype)
-        rename = _check_tensors(model, handles, path)
-        parallelize(model, plan, tp_group=tp_group)
-        peak = _PeakRSS()
-        bytes_read = _materialize(model, handles, rename, dtype)
-        peak_delta = peak.delta()
-        total = sum(_nbytes(handles[k], k) for k in handles)
-    unexpected = sorted(set(handles) - _needed_keys(model, rename))
+    meta = _tensor_index(files)
+    model = _meta_model(config, model_class, dtype)
+    rename = _check_tensors(model, meta, path)
+    parallelize(model, plan, tp_group=tp_group)
+    memory = _Memory()
+    bytes_read = _materialize(model, meta, rename, dtype)
+    peak_delta, anon_delta = memory.deltas()
+    unexpected = sorted(set(meta) - _needed_keys(model, rename))
     rep = model.tp_report
     shard = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    total = sum(m[3] for m in meta.values())
     return model, LoadReport(str(path), rep.family, rep.tp_size, rep.tp_rank, total, shard,
-                             bytes_read, peak_delta, unexpected)
+                             bytes_read, peak_delta, anon_delta, unexpected)
 
 
 # ---- the directory -----------------------------------------------------------------------------
@@ -114,18 +115,26 @@ def _pick_dtype(dtype, config):
     return stored if isinstance(stored, torch.dtype) else torch.float32
 
 
-def _open_all(files: dict, stack: ExitStack) -> dict:
-    """``{tensor_name: safe_open handle}`` over every file of the checkpoint."""
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                "U8": 1, "BOOL": 1}
+
+
+def _tensor_index(files: dict) -> dict:
+    """``{tensor_name: (file, shape, dtype, nbytes)}`` from the headers only (no data read)."""
     from safetensors import safe_open
-    handles, opened = {}, {}
-    for key, file in files.items():
-        if file not in opened:
-            opened[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-        if key is not None:
-            handles[key] = opened[file]
-    if None in files:
-        handles = {k: opened[files[None]] for k in opened[files[None]].keys()}
-    return handles
+    out = {}
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                shape, kind = tuple(sl.get_shape()), sl.get_dtype()
+                n = 1
+                for d in shape:
+                    n *= d
+                out[key] = (file, shape, kind, n * _DTYPE_BYTES.get(kind, 4))
+    if None not in files:
+        out = {k: v for k, v in out.items() if k in files}
+    return out
 
 
 def _meta_model(config, model_class, dtype) -> nn.Module:
@@ -168,8 +177,8 @@ def _renamer(model, keys: set):
     return rename
 
 
-def _check_tensors(model, handles: dict, path: Path):
-    rename = _renamer(model, set(handles))
+def _check_tensors(model, meta: dict, path: Path):
+    rename = _renamer(model, set(meta))
     shapes = dict(model.state_dict(keep_vars=True).items())
     missing, wrong = [], []
     for names in _groups(model):
@@ -177,7 +186,7 @@ def _check_tensors(model, handles: dict, path: Path):
         if key is None:
             missing.append(names[0])
             continue
-        found = tuple(handles[key].get_slice(key).get_shape())
+        found = meta[key][1]
         if found != tuple(shapes[names[0]].shape):
             wrong.append(f"{key}: checkpoint {found}, model {tuple(shapes[names[0]].shape)}")
     if missing:
@@ -193,35 +202,29 @@ def _needed_keys(model, rename) -> set:
     return {rename(n) for names in _groups(model) for n in names if rename(n)}
 
 
-def _nbytes(handle, key) -> int:
-    sl = handle.get_slice(key)
-    n = 1
-    for s in sl.get_shape():
-        n *= s
-    size = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
-    return n * size.get(sl.get_dtype(), 4)
-
-
 # ---- reading the shards ---------------------------------------------------------------------------
 
-def _read(handle, key: str, spec: ShardSpec, counter: list) -> torch.Tensor:
-    sl = handle.get_slice(key)
+def _read(meta: dict, key: str, spec: ShardSpec, dtype, counter: list) -> torch.Tensor:
+    """This rank's shard of ``key``: the file is mapped only while this one tensor is read, so
+    resident file pages never exceed one tensor's slices."""
+    from safetensors import safe_open
+    with safe_open(str(meta[key][0]), framework="pt") as f:
+        sl = f.get_slice(key)
 
-    def get(index):
-        block = sl[index] if index else sl[:]
-        counter[0] += block.numel() * block.element_size()
-        return block
-    return spec.take(get)
+        def get(index):
+            block = sl[index] if index else sl[:]  # a view of the mapped file where possible
+            counter[0] += block.numel() * block.element_size()
+            return block
+        return spec.take(get, dtype)
 
 
-def _materialize(model, handles, rename, dtype) -> int:
+def _materialize(model, meta, rename, dtype) -> int:
     """Replace every meta parameter (and meta persistent buffer) by its shard read from disk."""
     counter, new_of = [0], {}
     for name, p in model.named_parameters():
         spec = getattr(p, "tp_spec", None) or ShardSpec(name)
         key = rename(spec.key) or rename(name)
-        t = _read(handles[key], key, spec, counter).to(dtype)
-        new = nn.Parameter(t.contiguous(), requires_grad=p.requires_grad)
+        new = nn.Parameter(_read(meta, key, spec, dtype, counter), requires_grad=p.requires_grad)
         new.tp_replicas, new.tp_spec = p.tp_replicas, spec
         new_of[id(p)] = new
     for mod in model.modules():
@@ -232,19 +235,20 @@ def _materialize(model, handles, rename, dtype) -> int:
         if b.is_meta:
             key = rename(name)
             owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._buffers[attr] = _read(handles[key], key, ShardSpec(key), counter)
+            model.get_submodule(owner)._buffers[attr] = _read(meta, key, ShardSpec(key), None, counter)
     return counter[0]
 
 
-class _PeakRSS:
-    """Peak resident-set growth from now (Linux ``VmHWM`` after a reset), else None."""
+class _Memory:
+    """Resident-memory growth from now: the peak (Linux ``VmHWM`` after a reset through
+    ``/proc/self/clear_refs``) and the private part (``RssAnon``); None where unavailable."""
 
     def __init__(self):
         try:
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-            self.base = self._status("VmRSS")
+            self.rss, self.anon = self._status("VmRSS"), self._status("RssAnon")
         except OSError:
-            self.base = None
+            self.rss = self.anon = None
 
     @staticmethod
     def _status(field_name: str) -> int:
@@ -253,5 +257,7 @@ class _PeakRSS:
                 return int(line.split()[1]) * 1024
         raise OSError(field_name)
 
-    def delta(self) -> int | None:
-        return None if self.base is None else self._status("VmHWM") - self.base
+    def deltas(self) -> tuple[int | None, int | None]:
+        if self.rss is None:
+            return None, None
+        return self._status("VmHWM") - self.rss, self._status("RssAnon") - self.anon

@@ -109,11 +109,11 @@ def _pair_error(model, parent, a_names, b_name, args, kwargs, p) -> float | None
                 total = out if total is None else total + out
         except (RuntimeError, ValueError, IndexError):
             return None
-    bias = model.get_submodule(b_name).bias
-    if dense is None or total is None or total.shape != dense.shape:
-        return None
-    total = total if bias is None else total + bias
-    return float((total - dense).abs().max() / dense.abs().max().clamp_min(1e-30))
+        bias = model.get_submodule(b_name).bias
+        if dense is None or total is None or total.shape != dense.shape:
+            return None
+        total = total if bias is None else total + bias
+        return float((total - dense).abs().max() / dense.abs().max().clamp_min(1e-30))
 
 
 def _candidate(model, calls, log, assigned, p):

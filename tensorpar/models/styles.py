@@ -28,20 +28,30 @@ class ShardSpec:
     pad_to: int | None = None
     transpose: bool = False
 
-    def take(self, get) -> torch.Tensor:
-        """The shard, with ``get(index_tuple)`` reading one indexed block of the dense tensor."""
-        if self.pieces is None:
-            return get(())
-        blocks = []
-        for start, end in self.pieces:
-            index = (slice(None),) * self.dim + (slice(start, end),)
-            blocks.append(get(index))
-        out = torch.cat(blocks, dim=self.dim) if len(blocks) > 1 else blocks[0]
-        if self.pad_to is not None and out.shape[self.dim] < self.pad_to:
-            pad_shape = list(out.shape)
-            pad_shape[self.dim] = self.pad_to - out.shape[self.dim]
-            out = torch.cat([out, out.new_zeros(pad_shape)], dim=self.dim)
-        return out.t() if self.transpose and out.dim() == 2 else out
+    def take(self, get, dtype=None) -> torch.Tensor:
+        """The shard, with ``get(index_tuple)`` returning one indexed block of the dense tensor.
+
+        Blocks may be views (of a memory-mapped file or of the dense tensor): each is copied
+        once, straight into the result (allocated padded, and transposed in memory when
+        ``transpose``), so no block is copied twice and the result owns its memory.
+        """
+        dim = self.dim if self.pieces is not None else 0
+        blocks = [get(())] if self.pieces is None else [
+            get((slice(None),) * dim + (slice(start, end),)) for start, end in self.pieces]
+        shape = list(blocks[0].shape)
+        if shape:
+            shape[dim] = max(sum(b.shape[dim] for b in blocks), self.pad_to or 0)
+        flip = self.transpose and len(shape) == 2
+        buf = blocks[0].new_empty(shape[::-1] if flip else shape, dtype=dtype or blocks[0].dtype)
+        out = buf.t() if flip else buf  # (shape) view of buf
+        if not shape:
+            return buf.copy_(blocks[0])
+        offset = 0
+        for b in blocks:
+            out.narrow(dim, offset, b.shape[dim]).copy_(b)
+            offset += b.shape[dim]
+        out.narrow(dim, offset, shape[dim] - offset).zero_()  # padding rows
+        return buf
 
     def apply(self, full: torch.Tensor) -> torch.Tensor:
         return self.take(lambda index: full[index])

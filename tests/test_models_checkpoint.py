@@ -1,0 +1,150 @@
+"""Loading safetensors checkpoints shard by shard, all-MiniLM-L6-v2, and the discovered plan.
+
+One launch of 4 ranks: tiny float32 checkpoints (llama: GQA, untied head; gpt2: Conv1D, tied)
+at tp 2, 3 (gpt2) and 4; the real all-MiniLM-L6-v2 weights at tp 2, 3 and 4 (vocabulary 30522,
+padded at tp 4); a model no plan knows under plan="auto". Bad checkpoint directories are
+checked in this process: they fail before any process group is needed.
+
+Tolerances: loaded shards must equal the in-memory ``parallelize`` shards bit for bit (the
+same slices of the same numbers); float32 logits 1e-5 relative (summation order only); MiniLM
+embeddings 1e-5 absolute (issue 4; they are unit vectors).
+"""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tensorpar import dist
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.testing import make_tiny_checkpoint
+from tests import _models_workers as W
+
+TINY = ("llama", "gpt2")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: str(make_tiny_checkpoint(root / f, f)) for f in TINY}
+
+
+@pytest.fixture(scope="module")
+def results(tiny_dirs):
+    merged = {}
+    for res in dist.launch(W.checkpoint_worker, 4, tiny_dirs, deadline=400):
+        for key, val in res.items():
+            merged.setdefault(key, []).append(val)
+    return merged
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family, tp", [(f, tp) for f in TINY for tp in (2, 3, 4)
+                                        if not (tp == 3 and f in W.TP3_DOES_NOT_FIT)])
+def test_checkpoint_shards_equal_in_memory_shards(results, family, tp):
+    runs = results[("ckpt", family, tp)]
+    assert len(runs) == (4 if tp != 3 else 3)
+    for run in runs:
+        assert run["same_shards"]
+        assert run["logits_rel"] <= 1e-5
+        rep = run["report"]
+        assert rep["bytes_read"] <= rep["shard_bytes"]  # only this rank's slices were read
+        assert rep["bytes_read"] < rep["checkpoint_bytes"] / tp * 1.5
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_minilm_embeddings_equal_unsharded(results, tp):
+    runs = results[("minilm", tp)]
+    assert len(runs) == (3 if tp == 3 else 4)
+    for run in runs:
+        assert run["max_abs"] <= 1e-5, run["max_abs"]
+        assert all(abs(n - 1) < 1e-6 for n in run["norms"])
+        rep = run["report"]
+        # about 1/tp of the parameters per rank: replicated LayerNorms, biases and the 512
+        # position embeddings are ~1.5% of the model
+        assert run["per_rank"] <= 1.1 * run["total"] / tp
+        assert rep["bytes_read"] <= rep["shard_bytes"] <= 1.1 * rep["checkpoint_bytes"] / tp
+        if run["fresh"] and rep["peak_rss_delta_bytes"] is not None:  # Linux, first load
+            shard = rep["shard_bytes"]
+            # private memory: the shard itself (+ allocator slack)
+            assert 0.9 * shard <= rep["anon_rss_delta_bytes"] <= 1.2 * shard + 4e6
+            # peak: the shard plus the mapped slices of the tensor being read (at most the
+            # 1/tp slice of the 47 MB embedding), never near the 91 MB checkpoint
+            assert rep["peak_rss_delta_bytes"] <= shard + 1.2 * rep["checkpoint_bytes"] / tp
+            assert rep["peak_rss_delta_bytes"] < 0.6 * rep["checkpoint_bytes"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tp", [2, 4])
+def test_discovered_plan_pairs_checked_linears_and_equals_dense(results, tp):
+    for run in results[("toy", tp)]:
+        assert run["source"] == "discovered"
+        assert run["rel"] <= 1e-12
+        assert run["styles"] == {"emb": "vocab", "head": "vocab_head",
+                                 "blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
+                                 "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
+        assert any(n.startswith("not paired in extra") for n in run["notes"])
+
+
+# ---- bad checkpoint directories (no ranks needed: they fail first) ------------------------------
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_sharded(tmp_path / "nope")
+
+
+def test_directory_without_config_or_weights(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "a")
+    (d / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_sharded(d)
+    d = _copy(tiny_dirs["llama"], tmp_path / "b")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_sharded(d)
+
+
+def test_unsupported_model_type(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "t5")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+    with pytest.raises(ValueError, match="model_type 't5' is not supported; valid: llama, mistral, qwen2, gpt2, bert"):
+        load_sharded(d)
+
+
+def test_config_that_does_not_match_the_weights(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "wide")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 192}))
+    with pytest.raises(ValueError, match=r"does not match its config.json: 6 tensors have other shapes"):
+        load_sharded(d)
+
+
+def test_missing_tensor(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["gpt2"], tmp_path / "cut")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["transformer.h.1.mlp.c_fc.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors .*transformer.h.1.mlp.c_fc.weight"):
+        load_sharded(d)
+
+
+def test_index_naming_a_missing_file(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["gpt2"], tmp_path / "idx")
+    keys = load_file(d / "model.safetensors").keys()
+    index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in keys}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="index names files that are missing"):
+        load_sharded(d)
+
+
+def test_bad_dtype(tiny_dirs):
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
+        load_sharded(tiny_dirs["llama"], dtype=torch.int64)

@@ -1,0 +1,152 @@
+"""Plans, feasibility, the checked auto-pairing and bad input, in this process (no ranks).
+
+Without a process group every tp size is 1, which is enough for what fails before any
+collective: ``parallelize`` checks and builds everything before it touches the model, so each
+error case also checks that the model is exactly as it was (parameters, module types, hooks,
+head attributes).
+"""
+import pytest
+import torch
+from torch import nn
+
+from tensorpar.apply import parallelize
+from tensorpar.models import discover
+from tensorpar.models.feasibility import check_feasibility
+from tensorpar.models.generate import generate
+from tensorpar.models.plans import Dims, compile_plan, match_style
+from tensorpar.models.styles import ShardSpec
+from tensorpar.models.testing import make_tiny_config, make_tiny_model
+from tensorpar.models.training import clip_grad_norm_
+from tests import _models_workers as W
+
+
+# ---- feasibility ----------------------------------------------------------------------------------
+
+def test_feasibility_lists_valid_tp_sizes_and_fixes():
+    rep = check_feasibility(make_tiny_config("llama"), 3)  # 4 heads, 2 KV heads
+    assert not rep.ok and rep.valid_tp_sizes == [1, 2, 4]
+    assert rep.error_message() == (
+        "tp_size (3) does not fit this llama model: tp_size (3) must divide n_heads (4); "
+        "tp_size (3) must divide n_kv_heads (2) or be a multiple of it; valid tp sizes: 1, 2, 4")
+    rep = check_feasibility(make_tiny_config("llama"), 4)
+    assert rep.ok and len(rep.fixes) == 2  # KV-head replication and vocabulary padding
+    assert {c.name: c.status for c in rep.constraints} == {
+        "heads": "split", "kv_heads": "replicated", "ffn": "split", "vocab": "padded", "hidden": "whole"}
+    assert rep.to_dict()["ok"] is True
+
+
+def test_feasibility_of_sizes():
+    llama3_8b = Dims(n_heads=32, n_kv_heads=8, head_dim=128, ffn=14336, vocab=128256, hidden=4096)
+    assert check_feasibility(llama3_8b, 8).valid_tp_sizes == [1, 2, 4, 8, 16, 32]
+    odd_ffn = Dims(n_heads=8, n_kv_heads=8, head_dim=8, ffn=100, vocab=50, hidden=64)
+    rep = check_feasibility(odd_ffn, 8)
+    assert "tp_size (8) must divide the MLP width ffn (100)" in rep.error_message()
+    assert rep.valid_tp_sizes == [1, 2, 4]
+
+
+def test_feasibility_bad_input():
+    with pytest.raises(ValueError, match="tp_size must be a positive integer, got 0"):
+        check_feasibility(make_tiny_config("gpt2"), 0)
+    with pytest.raises(ValueError, match="no size constraints known for model type None"):
+        check_feasibility(nn.Linear(2, 2), 2)
+    with pytest.raises(ValueError, match="family 't5' is not supported"):
+        make_tiny_config("t5")
+
+
+# ---- plans and specs -----------------------------------------------------------------------------
+
+def test_patterns_match_one_component_per_star():
+    plan = compile_plan({"layers.*.mlp": "mlp", "layers.*.mlp.up_proj": "colwise"})
+    assert match_style(plan, ("layers.0.mlp", None)) == ("layers.*.mlp", "mlp")
+    assert match_style(plan, ("model.layers.0.mlp.up_proj", "layers.0.mlp.up_proj"))[1] == "colwise"
+    assert match_style(plan, ("layers.0.x.mlp", None)) is None
+    with pytest.raises(ValueError, match="style 'diagonal' is not one of colwise"):
+        compile_plan({"a": "diagonal"})
+
+
+def test_shard_spec_pieces_padding_and_transpose():
+    full = torch.arange(24.0).reshape(4, 6)
+    spec = ShardSpec("w", 1, ((0, 2), (4, 5)), pad_to=4, transpose=True)
+    want = torch.cat([full[:, 0:2], full[:, 4:5], torch.zeros(4, 1)], dim=1).t()
+    got = spec.apply(full)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(ShardSpec("w").apply(full), full)
+    assert torch.equal(ShardSpec("b", 0, ((1, 3),)).apply(torch.arange(5.0)), torch.tensor([1.0, 2.0]))
+
+
+# ---- parallelize: bad input, nothing half-applied -----------------------------------------------------
+
+def _fails_unchanged(model, match, **kw):
+    snap = W._snapshot(model)
+    with pytest.raises(ValueError, match=match):
+        parallelize(model, **kw)
+    assert W.unchanged(model, snap)
+
+
+def test_bad_plans_raise_and_leave_the_model_unchanged():
+    model = make_tiny_model("llama")
+    _fails_unchanged(model, "plan 'foo' is not supported; valid: 'auto', 'llama'", plan="foo")
+    _fails_unchanged(model, "plan 'gpt2' does not fit this model", plan="gpt2")
+    _fails_unchanged(model, r"plan patterns \['nope'\] match no module",
+                     plan={"layers.*.mlp.up_proj": "colwise", "nope": "rowwise"})
+    # the first entry builds fine; the second fails: the first must not have been applied
+    _fails_unchanged(model, "needs Linear but module 'model.layers.0.input_layernorm' is LlamaRMSNorm",
+                     plan={"layers.*.mlp.up_proj": "colwise", "layers.*.input_layernorm": "rowwise"})
+    _fails_unchanged(model, "needs a family plan and an enclosing 'attention' module",
+                     plan={"layers.*.self_attn.k_proj": "colwise_kv"})
+
+
+def test_tied_parameters_need_matching_styles():
+    model = make_tiny_model("qwen2")  # lm_head tied to embed_tokens
+    _fails_unchanged(model, "lm_head.weight is tied to model.embed_tokens.weight", plan={"embed_tokens": "vocab"})
+
+
+def test_unknown_models():
+    _fails_unchanged(nn.Sequential(nn.Linear(4, 4)), "needs example_inputs")
+    _fails_unchanged(nn.Sequential(nn.LayerNorm(4)), "unsupported model type 'Sequential'",
+                     example_inputs=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="must be a torch.nn.Module"):
+        parallelize("llama")
+
+
+def test_parallelize_twice_is_an_error():
+    model = parallelize(make_tiny_model("gpt2"))  # tp 1: builds without collectives
+    assert model.tp_report.tp_size == 1 and model.tp_report.source == "family"
+    assert model.tp_report.params_per_rank == model.tp_report.params_total
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize(model)
+
+
+# ---- the checked auto-pairing --------------------------------------------------------------------
+
+def test_find_pairs_checks_each_candidate():
+    ids = torch.randint(0, W.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    styles, notes = discover.find_pairs(W.Toy().double(), 2, (ids,))
+    assert styles == {"blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
+                      "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
+    assert any(n.startswith("not paired in extra: extra.fc1 -> extra.fc2 (a shard run failed)") for n in notes)
+
+
+def test_find_pairs_recovers_the_llama_plan():
+    model = make_tiny_model("llama")
+    styles, _ = discover.find_pairs(model, 2, model.dummy_inputs)
+    for layer in (0, 1):
+        attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+        assert {k: v for k, v in styles.items() if k.startswith((attn, mlp))} == {
+            attn + "q_proj": "colwise", attn + "k_proj": "colwise", attn + "v_proj": "colwise",
+            attn + "o_proj": "rowwise", mlp + "gate_proj": "colwise", mlp + "up_proj": "colwise",
+            mlp + "down_proj": "rowwise"}
+
+
+# ---- helpers: bad input ---------------------------------------------------------------------------
+
+def test_generate_and_clip_bad_input():
+    model = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="input_ids must be a \\(batch, seq\\) torch.long tensor"):
+        generate(model, torch.ones(1, 3), 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a non-negative integer, got -1"):
+        generate(model, torch.ones(1, 3, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="max_norm must be positive"):
+        clip_grad_norm_(model, 0.0)
+    with pytest.raises(ValueError, match="no parameter has a gradient"):
+        clip_grad_norm_(model, 1.0)
