@@ -213,8 +213,20 @@ def test_planner_bytes_equal_the_ledger_formula_bit_for_bit():
         for n in (8, 64, 1000, 3840, 123_456_789):
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 assert C.ring_bytes_sent(op, n, p) == ledger_ring_bytes_sent(op, n, p)
-            for rank in range(p):
-                assert C.broadcast_bytes_sent(n, p, rank, 0) == ledger_ring_bytes_sent("broadcast", n, p, rank=rank)
+
+
+def test_broadcast_bytes_per_rank_by_algorithm():
+    """Hand counts: the chain's last rank and the tree's leaves send nothing; every rank but the
+    source receives N once, so the group sends (p - 1) N whatever the algorithm."""
+    n = 16
+    tree = {1: [0], 2: [1, 0], 3: [2, 0, 0], 4: [2, 1, 0, 0], 8: [3, 2, 1, 1, 0, 0, 0, 0]}
+    for p, sends in tree.items():
+        assert [C.broadcast_bytes_sent(n, p, r, 0, "tree") for r in range(p)] == [k * n for k in sends]
+    assert [C.broadcast_bytes_sent(n, 4, r, 1, "tree") for r in range(4)] == [0, 2 * n, n, 0]
+    assert [C.broadcast_bytes_sent(n, 4, r, 1, "chain") for r in range(4)] == [0, n, n, n]
+    for p in range(1, 9):
+        for algorithm in ("chain", "tree"):
+            assert sum(C.broadcast_bytes_sent(n, p, r, p // 2, algorithm) for r in range(p)) == (p - 1) * n
 
 
 def test_tp_one_predicts_nothing_and_the_dense_parameter_count():
@@ -234,6 +246,7 @@ def test_tp_one_predicts_nothing_and_the_dense_parameter_count():
     (dict(bytes_per_elem=3), "bytes_per_elem (3) must be one of"),
     (dict(seq=1, workload="train"), "seq (1) must be at least 2"),
     (dict(batch=0), "batch (0) must be a positive integer"),
+    (dict(backend="mpi"), "backend ('mpi') must be one of: gloo, nccl"),
 ])
 def test_bad_input_names_the_value_and_the_choices(kwargs, message):
     args = dict(family="llama", tp=2, batch=BATCH, seq=SEQ, bytes_per_elem=E, workload="forward") | kwargs

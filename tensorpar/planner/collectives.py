@@ -52,14 +52,30 @@ def ring_bytes_sent(op: str, payload_bytes: float, p: int) -> float:
     return int(sent) if float(sent).is_integer() else sent
 
 
-def broadcast_bytes_sent(payload_bytes: int, p: int, rank: int, src: int = 0) -> int:
-    """Bytes group rank ``rank`` sends in a pipelined-chain broadcast from ``src`` (the ledger's
-    model, NCCL's ring broadcast): the chain runs src -> src+1 -> ... and every member forwards
-    ``N`` except its last, ``(src - 1) mod p``, which sends nothing."""
+BROADCAST_ALGORITHMS = ("chain", "tree")
+
+
+def broadcast_bytes_sent(payload_bytes: int, p: int, rank: int, src: int = 0, algorithm: str = "chain") -> int:
+    """Bytes group rank ``rank`` sends in a broadcast of ``payload_bytes`` (N) from ``src``.
+
+    Every rank but the source receives N once, so the group sends ``(p - 1) N`` in all; how that
+    splits over ranks depends on the algorithm (v = (rank - src) mod p, the distance from src):
+
+    - ``"chain"`` (NCCL's pipelined ring broadcast): src -> src+1 -> ...; every member forwards
+      N except the chain's last, v = p - 1, which sends nothing.
+    - ``"tree"`` (gloo's binomial tree, gloo/broadcast.cc): the rank at v sends N to v + 2^k for
+      every k >= bit_length(v) with v + 2^k < p; the source sends ceil(log2 p) times.
+    """
     _check("broadcast", p)
+    if algorithm not in BROADCAST_ALGORITHMS:
+        raise ValueError(f"broadcast algorithm ({algorithm!r}) must be one of: {', '.join(BROADCAST_ALGORITHMS)}")
     if not 0 <= rank < p or not 0 <= src < p:
         raise ValueError(f"rank ({rank}) and src ({src}) must lie in [0, {p}) for a group of {p}")
-    return 0 if p == 1 or rank == (src - 1) % p else payload_bytes
+    v = (rank - src) % p
+    if algorithm == "chain":
+        return 0 if v == p - 1 else payload_bytes
+    children = sum(1 for k in range(v.bit_length(), p.bit_length()) if v + (1 << k) < p)
+    return children * payload_bytes
 
 
 def unavoidable_device_bytes(op: str, payload_bytes: float, p: int) -> float:

@@ -24,8 +24,8 @@ every collective that ``tensorpar.dist.ledger`` records when a model parallelize
 The items come from :func:`.comm.tp_collectives` (Shoeybi et al. 2019, Sec. 3; docs/architecture.md)
 with the head as the runtime runs it; bytes sent per rank are the ring figures of
 :func:`.collectives.ring_bytes_sent` (all-reduce ``2(t-1)/t N``, all-gather ``(t-1)/t N``) and,
-for the broadcast, the pipelined chain of :func:`.collectives.broadcast_bytes_sent` (the chain's
-last rank sends nothing), the same figures the ledger records.
+for the broadcast, :func:`.collectives.broadcast_bytes_sent` by the backend's algorithm (gloo a
+binomial tree, NCCL a pipelined chain), the same figures the ledger records.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from .layout import Layout
 WORKLOADS = ("forward", "logits", "train", "decode", "generate")
 ENCODER_WORKLOADS = ("forward", "logits")
 _DTYPE_OF = {8: "fp64", 4: "fp32", 2: "bf16"}
+BROADCAST_OF_BACKEND = {"gloo": "tree", "nccl": "chain"}
 TOKEN_ID_BYTES = 8  # generate broadcasts argmax ids, torch.long
 
 
@@ -75,6 +76,7 @@ class RuntimePrediction:
 
     family: str
     workload: str
+    backend: str
     tp: int
     batch: int
     seq: int
@@ -122,15 +124,20 @@ def _steps(workload: str, seq: int, new_tokens: int) -> list[_Step]:
 
 
 def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_per_elem: int,
-                        workload: str = "forward", *, new_tokens: int = 1) -> RuntimePrediction:
+                        workload: str = "forward", *, new_tokens: int = 1,
+                        backend: str = "gloo") -> RuntimePrediction:
     """Every collective one tp rank issues in ``workload`` (see the module docstring).
 
     ``hf_config``: ``config.to_dict()`` of a llama, mistral, qwen2, gpt2 or bert model;
     ``seq``: tokens per sequence (for ``decode`` the context already cached, which changes no
     collective; for ``generate`` the prompt length); ``bytes_per_elem``: the model's dtype
-    (8 float64, 4 float32, 2 bf16/fp16); ``new_tokens``: generated tokens (``generate``).
+    (8 float64, 4 float32, 2 bf16/fp16); ``new_tokens``: generated tokens (``generate``);
+    ``backend``: ``"gloo"`` or ``"nccl"``, which only splits the broadcast's bytes differently
+    over the ranks (the total is the same).
     """
     _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens)
+    if backend not in BROADCAST_OF_BACKEND:
+        raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BROADCAST_OF_BACKEND)}")
     model = hf_model(hf_config, seq=seq)
     check_tp(model, tp)
     if not model.is_causal and workload not in ENCODER_WORKLOADS:
@@ -139,14 +146,15 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
     layout = Layout(tp=tp, micro_batch=batch, dtype=_DTYPE_OF[bytes_per_elem], workload="inference")
     items, per_layer = [], []
     for step in _steps(workload, seq, new_tokens):
-        step_items, step_layer = _step_items(model, layout, step)
+        step_items, step_layer = _step_items(model, layout, step, BROADCAST_OF_BACKEND[backend])
         items += step_items
         per_layer += step_layer
     items, per_layer = _merge(items), _merge(per_layer)
     head = workload != "forward"
     params = params_per_rank(hf_config, tp, head=head)
     return RuntimePrediction(
-        family=model.kind, workload=workload, tp=tp, batch=batch, seq=seq, bytes_per_elem=bytes_per_elem,
+        family=model.kind, workload=workload, backend=backend, tp=tp, batch=batch, seq=seq,
+        bytes_per_elem=bytes_per_elem,
         new_tokens=new_tokens if workload == "generate" else 0, layers=model.spec.layers,
         items=items, per_layer=per_layer, bytes_sent_per_rank=_totals(items, tp),
         per_layer_bytes_sent_per_rank=_totals(per_layer, tp),
@@ -154,7 +162,7 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
         param_bytes_per_rank=params * bytes_per_elem, notes=_notes(workload))
 
 
-def _step_items(model, layout, step: _Step) -> tuple[list, list]:
+def _step_items(model, layout, step: _Step, broadcast: str) -> tuple[list, list]:
     """(items, per-layer items) of one forward (and backward), times ``step.count``."""
     b, e, tp = layout.micro_batch, layout.bytes_per_elem, layout.tp
     comm = tp_collectives(model.spec, layout, phase=step.phase, seq=step.seq, head=step.head,
@@ -163,7 +171,7 @@ def _step_items(model, layout, step: _Step) -> tuple[list, list]:
     per_layer = [_from_comm(i, tp, step.count) for i in comm["per_layer"]]
     if step.broadcast and tp > 1:
         n = b * TOKEN_ID_BYTES
-        sent = tuple(broadcast_bytes_sent(n, tp, r, src=0) for r in range(tp))
+        sent = tuple(broadcast_bytes_sent(n, tp, r, src=0, algorithm=broadcast) for r in range(tp))
         items.append(PredictedCollective("broadcast", "next_token", "forward", tp, n, sent, step.count,
                                          "greedy token ids from rank 0, so every rank appends the same"))
     return items, per_layer
