@@ -283,3 +283,9 @@ class Toy(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x + self.extra(x))  # (B, T, V)
+
+
+def all_worker(tiny_dirs: dict, training_cases: list) -> dict:
+    """Every multi-rank model test in one launch (see tests/_models_launch.py)."""
+    return {"checkpoint": checkpoint_worker(tiny_dirs), "inference": inference_worker(),
+            "training": training_worker(training_cases)}

@@ -1,6 +1,6 @@
 """Loading safetensors checkpoints shard by shard, all-MiniLM-L6-v2, and the discovered plan.
 
-One launch of 4 ranks: tiny float32 checkpoints (llama: GQA, untied head; gpt2: Conv1D, tied)
+One launch of 4 ranks (tests/_models_launch.py): tiny float32 checkpoints (llama: GQA, untied head; gpt2: Conv1D, tied)
 at tp 2, 3 (gpt2) and 4; the real all-MiniLM-L6-v2 weights at tp 2, 3 and 4 (vocabulary 30522,
 padded at tp 4); a model no plan knows under plan="auto". Bad checkpoint directories are
 checked in this process: they fail before any process group is needed.
@@ -16,27 +16,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tensorpar import dist
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.testing import make_tiny_checkpoint
-from tests import _models_workers as W
+from tests import _models_launch, _models_workers as W
 
-TINY = ("llama", "gpt2")
+TINY = _models_launch.TINY_CHECKPOINTS
 
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
+    """Checkpoints of this process's own, for the bad-directory tests."""
     root = tmp_path_factory.mktemp("ckpt")
     return {f: str(make_tiny_checkpoint(root / f, f)) for f in TINY}
 
 
 @pytest.fixture(scope="module")
-def results(tiny_dirs):
-    merged = {}
-    for res in dist.launch(W.checkpoint_worker, 4, tiny_dirs, deadline=400):
-        for key, val in res.items():
-            merged.setdefault(key, []).append(val)
-    return merged
+def results():
+    return _models_launch.merged("checkpoint")
 
 
 @pytest.mark.multirank

@@ -1,7 +1,7 @@
 """parallelize on real gloo ranks: every family at tp 1, 2, 3 (where the heads allow) and 4.
 
-One launch of 4 ranks runs every case (sub-groups give tp 1, 2 and 3); the tests below read
-its results. Models are tiny float64 Hugging Face models from one seed (models/testing.py):
+One launch of 4 ranks (tests/_models_launch.py, shared with the training and checkpoint
+tests) runs every case; sub-groups give tp 1, 2 and 3. Models are tiny float64 Hugging Face models from one seed (models/testing.py):
 vocabulary 130 (padded at tp 3 and 4), llama/mistral GQA, qwen2 MQA (KV replication).
 
 Tolerance 1e-12 relative (float64): the sharded model adds the same products in a different
@@ -13,8 +13,7 @@ import math
 
 import pytest
 
-from tensorpar import dist
-from tests import _models_workers as W
+from tests import _models_launch, _models_workers as W
 
 pytestmark = pytest.mark.multirank
 TOL = 1e-12
@@ -27,8 +26,7 @@ CASES = [(f, tp) for f in W.FAMILIES for tp in (1, 2, 3, 4) if not (tp == 3 and 
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = dist.launch(W.inference_worker, 4, deadline=300)
-    return per_rank
+    return _models_launch.results()["inference"]
 
 
 def _members(results, key):

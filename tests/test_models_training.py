@@ -13,29 +13,17 @@ KV-replica sync or a wrong clip scale changes the curve at 1e-3 or more.
 """
 import pytest
 
-from tensorpar import dist
-from tests import _models_workers as W
+from tests import _models_launch
 
 pytestmark = pytest.mark.multirank
-MAX_NORM = 0.5
-ALL = [0, 1, 2, 3]
-CASES = [("llama", 4, "float64", ALL),   # GQA 4/2 heads: KV heads replicated, their grads synced
-         ("gpt2", 4, "float64", ALL),    # Conv1D, fused qkv, tied embeddings, padded vocabulary
-         ("llama", 2, "float64", [0, 1]),
-         ("qwen2", 2, "float64", [2, 3]),  # MQA (replicated KV), tied embeddings
-         ("llama", 2, "float32", [0, 1]),
-         ("gpt2", 2, "float32", [2, 3])]
+MAX_NORM = 0.5  # training_worker's default
+CASES = _models_launch.TRAINING_CASES
 TOL = {"float64": 1e-9, "float32": 1e-5}
 
 
 @pytest.fixture(scope="module")
 def curves():
-    per_rank = dist.launch(W.training_worker, 4, CASES, 20, MAX_NORM, deadline=300)
-    merged = {}
-    for res in per_rank:
-        for key, val in res.items():
-            merged.setdefault(key, []).append(val)
-    return merged
+    return _models_launch.merged("training")
 
 
 @pytest.mark.parametrize("family, tp, dtype, members", CASES, ids=lambda v: str(v))
