@@ -113,14 +113,6 @@ def subgroup_worker():
     return y[0, 0].item(), rs.tolist(), dist.get_rank(mine), dist.get_world_size(mine)
 
 
-def raising_worker(bad_rank):
-    if dist.get_rank() == bad_rank:
-        raise KeyError("boom on purpose")
-    dist.all_reduce(torch.ones(3))  # the healthy ranks block here until stopped
-    time.sleep(60)
-    return "unreachable"
-
-
 def dying_worker(bad_rank):
     if dist.get_rank() == bad_rank:
         os.kill(os.getpid(), 9)
@@ -133,5 +125,81 @@ def pid_worker():
     return os.getpid()
 
 
-def sleepy_worker():
-    time.sleep(60)
+
+
+def thread_backward_worker():
+    """Backward on another thread (as the autograd engine does on CUDA) still records."""
+    import threading
+
+    block = Block(8)
+    x = _seeded((2, 3, 8), 1).requires_grad_(True)
+    with dist.ledger(model=block) as led:
+        y = block(x)
+        t = threading.Thread(target=lambda: y.sum().backward())
+        t.start()
+        t.join()
+    return [(r.op, r.phase, r.module) for r in led.records]
+
+
+def ring_bytes_worker(shape):
+    """Count the bytes the gloo reduce-scatter fallback really hands to isend."""
+    import torch.distributed as tdist  # tests may look under the hood; the package may not
+
+    sent = []
+    real = tdist.batch_isend_irecv
+
+    def counting(ops):
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is tdist.isend)
+        return real(ops)
+
+    tdist.batch_isend_irecv = counting
+    try:
+        with dist.ledger() as led:
+            dist.reduce_scatter(_seeded(shape, 3), dim=1)
+    finally:
+        tdist.batch_isend_irecv = real
+    return sum(sent), led.records[0].bytes_sent
+
+
+class SlowToUnpickle:
+    """A result the parent takes a while to unpickle (a big object on a loaded machine)."""
+
+    def __reduce__(self):
+        return (_slow_rebuild, ())
+
+
+def _slow_rebuild():
+    time.sleep(1.5)
+    return "slow"
+
+
+def staggered_results_worker():
+    if dist.get_rank() == 0:
+        return SlowToUnpickle()
+    return "fast"
+
+
+def pid_file_worker(directory, bad_rank, how):
+    """Write this rank's pid; the bad rank fails; the others sleep outside any collective."""
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    dist.barrier()  # every pid is on disk before anyone fails
+    if dist.get_rank() == bad_rank:
+        if how == "raise":
+            raise KeyError("boom on purpose")
+        os.kill(os.getpid(), 9)
+    time.sleep(300)  # only the launcher can stop these ranks in time
+    return "unreachable"
+
+
+def torchrun_user_code(out_path):
+    """The same user code as under the local launcher, run by two env:// processes."""
+    results = dist.launch(mappings_worker, 2, [(2, 3, 8)])
+    with open(out_path, "w") as f:
+        f.write(repr([all(ok for _, ok in checks) for checks in results]))
+
+
+def sleepy_worker_with_pid(directory):
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)

@@ -3,9 +3,11 @@
 These are the only calls into torch.distributed's collectives; the autograd-aware operators in
 :mod:`tensorpar.dist.mappings` are built on them. All take the group explicitly (``None``: world).
 
-gloo has no native reduce-scatter in every torch build; there it is a ring over point-to-point
-sends (p - 1 steps, each sending one chunk of N/p), so the bytes it really sends are the
-``(p - 1)/p * N`` the ledger records.
+On gloo, reduce-scatter is tensorpar's own ring over point-to-point sends (p - 1 steps, each
+sending one chunk of N/p): gloo's native reduce-scatter does not document its algorithm, and the
+ledger must record the bytes really sent, ``(p - 1)/p * N``. ``record_to`` names the ledger a
+collective records into (the backward of an autograd operator passes the one its forward saw,
+since backward may run on another thread); by default, the ledger open in this context.
 """
 from __future__ import annotations
 
@@ -14,51 +16,55 @@ import torch.distributed as tdist
 
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
-from tensorpar.dist.ledger import active_ledger
+from tensorpar.dist.ledger import Ledger, active_ledger
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
 
-def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, src: int = 0) -> None:
-    led = active_ledger()
+def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
+            record_to: Ledger | None = None, shape=None, src: int = 0) -> None:
+    led = record_to if record_to is not None else active_ledger()
     if led is not None:
-        led.record(op, tensor, group_size(group), phase=phase, module=module, rank=group_rank(group), src=src)
+        algorithm = "tree" if tdist.get_backend(group) == "gloo" else "chain"
+        led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape,
+                   rank=group_rank(group), src=src, broadcast_algorithm=algorithm)
 
 
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
-               module: str | None = None) -> torch.Tensor:
+               module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
     """In-place all-reduce of ``x`` (no autograd); returns ``x``."""
     if op not in _OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
     if group_size(group) == 1:
         return x
-    _record("all_reduce", x, group, phase, module)
+    _record("all_reduce", x, group, phase, module, record_to=record_to)
     tdist.all_reduce(x, op=_OPS[op], group=group)
     return x
 
 
 def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
-               module: str | None = None) -> torch.Tensor:
+               module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
     p = group_size(group)
     if p == 1:
         return x
     moved = x.movedim(dim, 0).contiguous()  # (d, ...): all_gather_single concatenates dim 0
     out = moved.new_empty((p * moved.shape[0], *moved.shape[1:]))  # (p*d, ...)
-    _record("all_gather", out, group, phase, module)
+    full = (*x.shape[:dim % x.dim()], p * x.shape[dim], *x.shape[dim % x.dim() + 1:])  # the gathered shape
+    _record("all_gather", out, group, phase, module, record_to=record_to, shape=full)
     tdist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
-                   module: str | None = None) -> torch.Tensor:
+                   module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's chunk of ``dim`` (size ``x.shape[dim] // p``)."""
     p = group_size(group)
     if p == 1:
         return x
     check_divisible(x, dim, p, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
-    _record("reduce_scatter", moved, group, phase, module)
+    _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
     if tdist.get_backend(group) == "gloo":
         out = _ring_reduce_scatter(moved, group)
     else:

@@ -91,9 +91,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
                              args=(rank, world_size, store, backend, timeout, fn, args, results))
                  for rank in range(world_size)]
-        for p in procs:
-            p.start()
         try:
+            for p in procs:
+                p.start()
             return _collect(procs, results, deadline)
         finally:
             _stop_all(procs)
@@ -117,7 +117,10 @@ def _collect(procs, results, deadline) -> list:
         failure = _receive(results, out, wait=_POLL_S)
         dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
         if failure or dead:
-            raise _root_cause(procs, results, out, failure)
+            # A rank that exited may just have sent its result: only a real failure stops the launch.
+            failure = _root_cause(procs, results, out, failure)
+            if failure is not None:
+                raise failure
         if t_end is not None and time.monotonic() > t_end:
             missing = [r for r in range(len(procs)) if r not in out]
             raise LaunchTimeoutError(f"launch passed its deadline of {deadline:g}s; ranks {missing} "
@@ -141,7 +144,7 @@ def _receive(results, out: dict, wait: float) -> "RankFailedError | None":
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "timed out", "Timeout")
 
 
-def _root_cause(procs, results, out, first) -> RankFailedError:
+def _root_cause(procs, results, out, first) -> "RankFailedError | None":
     """The failure to report: a rank that died without a word, else one that raised by itself.
 
     When one rank fails, its peers fail too (their collectives lose the connection). Wait a
@@ -158,7 +161,7 @@ def _root_cause(procs, results, out, first) -> RankFailedError:
         if rank not in out and rank not in reported and p.exitcode is not None:
             return _died(rank, p)
     own = [f for f in failures if not any(s in f.detail for s in _PEER_LOSS)]
-    return (own or failures)[0]
+    return (own or failures)[0] if failures else None
 
 
 def _died(rank: int, proc) -> RankFailedError:

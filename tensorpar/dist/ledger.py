@@ -6,7 +6,10 @@ rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.
 
     all-reduce                  2 (p - 1) / p * N
     all-gather, reduce-scatter      (p - 1) / p * N
-    broadcast (pipelined chain)            N, except the chain's last rank (src - 1) mod p: 0
+    broadcast                              per rank, by the backend's algorithm:
+                                           NCCL, a pipelined chain src -> src+1 -> ...: N each,
+                                           the chain's last rank 0; gloo, a binomial tree
+                                           (gloo/broadcast.cc): N per child, ceil(log2 p) at src
 
 where N is the full tensor's bytes: the all-reduced tensor, the all-gather's result, the
 reduce-scatter's input.
@@ -29,19 +32,30 @@ import torch
 _ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("tensorpar_ledger", default=None)
 
 
-def ring_bytes_sent(op: str, payload_bytes: int, group_size: int, *, rank: int = 0, src: int = 0) -> int:
-    """Bytes group rank ``rank`` sends for ``op`` on ``payload_bytes`` over a ring of ``group_size``.
+def ring_bytes_sent(op: str, payload_bytes: int, group_size: int, *, rank: int = 0, src: int = 0,
+                    broadcast_algorithm: str = "chain") -> int:
+    """Bytes group rank ``rank`` sends for ``op`` on ``payload_bytes`` over ``group_size`` ranks.
 
-    ``src`` matters for broadcast only: the chain runs src -> src+1 -> ... and its last rank sends nothing.
+    ``src`` and ``broadcast_algorithm`` (``"chain"``: NCCL; ``"tree"``: gloo's binomial tree)
+    matter for broadcast only.
     """
     p = group_size
-    last_in_chain = p == 1 or rank == (src - 1) % p
     factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-               "broadcast": 0.0 if last_in_chain else 1.0}
+               "broadcast": _broadcast_sends(p, (rank - src) % p, broadcast_algorithm)}
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; valid: {', '.join(factors)}")
     sent = factors[op] * payload_bytes
-    return int(sent) if sent.is_integer() else sent
+    return int(sent) if float(sent).is_integer() else sent
+
+
+def _broadcast_sends(p: int, v: int, algorithm: str) -> int:
+    """How many times the rank at distance ``v`` from the source sends the whole tensor."""
+    if algorithm == "chain":
+        return 0 if p == 1 or v == p - 1 else 1
+    if algorithm == "tree":
+        # binomial tree: the rank at v sends to v + 2^k for every k >= bit_length(v) within the group
+        return sum(1 for k in range(v.bit_length(), max(p - 1, 1).bit_length()) if v + (1 << k) < p)
+    raise ValueError(f"broadcast_algorithm {algorithm!r}; valid: chain, tree")
 
 
 @dataclass(frozen=True)
@@ -67,13 +81,14 @@ class Ledger:
 
     names: dict = field(default_factory=dict)  # id(module) -> qualified name
     records: list = field(default_factory=list)
+    is_open: bool = True
     _stack: list = field(default_factory=list)
 
     def current_module(self) -> str:
         return self._stack[-1] if self._stack else ""
 
     def record(self, op: str, tensor: torch.Tensor, group_size: int, *, phase: str, module: str | None = None,
-               shape: tuple | None = None, rank: int = 0, src: int = 0) -> None:
+               shape: tuple | None = None, rank: int = 0, src: int = 0, broadcast_algorithm: str = "chain") -> None:
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         numel = 1
         for d in shape:
@@ -82,7 +97,8 @@ class Ledger:
         self.records.append(CollectiveRecord(
             op=op, module=self.current_module() if module is None else module, phase=phase, shape=shape,
             dtype=str(tensor.dtype).removeprefix("torch."), group_size=group_size,
-            payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size, rank=rank, src=src)))
+            payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size, rank=rank, src=src,
+                                                               broadcast_algorithm=broadcast_algorithm)))
 
     def total_bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.records)
@@ -119,6 +135,17 @@ def active_ledger() -> Ledger | None:
     return _ACTIVE.get()
 
 
+def ledger_for_backward(captured: Ledger | None) -> Ledger | None:
+    """The ledger a backward collective records into: the one open when its forward ran.
+
+    The autograd engine may run backward on its own threads (always on CUDA), which do not see
+    this thread's context; the forward captures its ledger so that backward still records.
+    """
+    if captured is not None and captured.is_open:
+        return captured
+    return active_ledger()
+
+
 @contextlib.contextmanager
 def ledger(model: torch.nn.Module | None = None):
     """Record every collective issued on this rank inside the block.
@@ -135,6 +162,7 @@ def ledger(model: torch.nn.Module | None = None):
     try:
         yield led
     finally:
+        led.is_open = False
         _ACTIVE.reset(token)
         pre.remove()
         post.remove()

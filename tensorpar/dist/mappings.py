@@ -20,23 +20,28 @@ from __future__ import annotations
 import torch
 
 from tensorpar.dist import collectives as C
-from tensorpar.dist.ledger import active_ledger
+from tensorpar.dist.ledger import active_ledger, ledger_for_backward
 
 
-def _module_now() -> str | None:
-    led = active_ledger()
-    return led.current_module() if led is not None else None
+def _remember(ctx, group, dim=None) -> None:
+    """Keep what backward needs: the group, the dim, and the ledger and module of this forward."""
+    ctx.group, ctx.dim, ctx.led = group, dim, active_ledger()
+    ctx.module = ctx.led.current_module() if ctx.led is not None else None
+
+
+def _bwd(ctx) -> dict:
+    return {"phase": "backward", "module": ctx.module, "record_to": ledger_for_backward(ctx.led)}
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.module = group, _module_now()
+        _remember(ctx, group)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad.contiguous().clone(), ctx.group, phase="backward", module=ctx.module), None
+        return C.all_reduce(grad.contiguous().clone(), ctx.group, **_bwd(ctx)), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -52,12 +57,12 @@ class _ReduceFromRegion(torch.autograd.Function):
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.module = group, dim, _module_now()
+        _remember(ctx, group, dim)
         return C.split_own(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.dim, ctx.group, phase="backward", module=ctx.module), None, None
+        return C.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -74,23 +79,23 @@ class _GatherFromRegion(torch.autograd.Function):
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.module = group, dim, _module_now()
+        _remember(ctx, group, dim)
         return C.all_gather(x, dim, group)  # (B, T/p, H) -> (B, T, H)
 
     @staticmethod
     def backward(ctx, grad):
-        return C.reduce_scatter(grad, ctx.dim, ctx.group, phase="backward", module=ctx.module), None, None
+        return C.reduce_scatter(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.module = group, dim, _module_now()
+        _remember(ctx, group, dim)
         return C.reduce_scatter(x, dim, group)  # (B, T, H) partial -> (B, T/p, H) summed
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.dim, ctx.group, phase="backward", module=ctx.module), None, None
+        return C.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
