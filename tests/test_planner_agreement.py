@@ -188,9 +188,6 @@ def test_a_decode_step_as_predicted(measured, tp, family):
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(strict=True, reason="tensorpar/models/generate.py skips its token broadcast when the "
-                   "model's tp_group is None (the world group): `group = report.tp_group if ... else None` "
-                   "then `if group is not None: dist.broadcast(...)`")
 @pytest.mark.parametrize("tp, family", [(tp, f) for tp in (2, 4) for f in CAUSAL])
 def test_generate_on_the_world_group_broadcasts_tokens(measured, tp, family):
     pred = predict_collectives(_config(family), tp, BATCH, SEQ, E, "generate", new_tokens=1)

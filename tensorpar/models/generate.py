@@ -41,7 +41,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
     """
     _check(input_ids, max_new_tokens)
     report = getattr(model, "tp_report", None)
-    group = report.tp_group if report is not None and report.tp_size > 1 else None
+    sharded = report is not None and report.tp_size > 1
     kwarg, cache, ids = _cache_kwarg(model), None, input_ids
     step = input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
@@ -49,8 +49,8 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
         out = model(input_ids=step, use_cache=True, **{kwarg: cache})
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         nxt = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
-        if group is not None:
-            dist.broadcast(nxt, src=0, group=group)
+        if sharded:  # tp_group None is the world group: it broadcasts too
+            dist.broadcast(nxt, src=0, group=report.tp_group)
         if eos_token_id is not None:
             nxt = nxt.masked_fill(done, eos_token_id)
             done |= nxt == eos_token_id
