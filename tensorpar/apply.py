@@ -30,6 +30,8 @@ from tensorpar.models.plans import (FAMILY_PLANS, REGION_STYLES, compile_plan, l
 from tensorpar.models.report import ParallelizeReport
 from tensorpar.nn import ReplicatedHeadLinear
 
+HEAD_STYLES = ("attention", "colwise_kv", "conv1d_qkv")  # need the model's head counts
+
 
 def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=None) -> nn.Module:
     """Shard ``model`` over the ranks of ``tp_group`` (None: world) following ``plan``; return it.
@@ -67,8 +69,13 @@ def _resolve(model, plan, tp_size, example_inputs) -> dict:
     family = model_family(model)
     out = {"family": family, "dims": None, "feasibility": None, "notes": [], "head_attrs": ()}
     if isinstance(plan, dict):
-        return {**out, "source": "user", "compiled": compile_plan(plan), "strict": True,
-                **_family_extras(model, family, tp_size)}
+        compiled = compile_plan(plan)
+        heads = any(style in HEAD_STYLES for _, _, style in compiled)
+        if heads and family is None:
+            raise ValueError(f"styles {', '.join(HEAD_STYLES)} need the head counts of a known family "
+                             f"({', '.join(FAMILY_PLANS)}); this model's type is not one of them")
+        return {**out, "source": "user", "compiled": compiled, "strict": True,
+                **_family_extras(model, family, tp_size, enforce=heads)}
     if plan in FAMILY_PLANS:
         if family != plan:
             raise ValueError(f"plan {plan!r} does not fit this model (config.model_type "
@@ -85,15 +92,19 @@ def _resolve(model, plan, tp_size, example_inputs) -> dict:
             **_family_extras(model, family, tp_size)}
 
 
-def _family_extras(model, family, tp_size) -> dict:
+def _family_extras(model, family, tp_size, enforce=True) -> dict:
+    """Dims, feasibility (raised when ``enforce``: the plan splits heads) and head attributes.
+
+    A user plan that splits no heads is checked by its layers' own divisibility checks instead.
+    """
     if family is None:
         return {}
     dims = model_dims(model.config)
     feas = check_feasibility(dims, tp_size, family)
-    if not feas.ok:
+    if enforce and not feas.ok:
         raise ValueError(feas.error_message())
     return {"family": family, "dims": dims, "feasibility": feas, "head_attrs": FAMILY_PLANS[family].head_attrs,
-            "notes": feas.fixes}
+            "notes": feas.fixes if feas.ok else []}
 
 
 def _discovered(model, tp_size, example_inputs) -> dict:

@@ -96,6 +96,13 @@ def test_bad_plans_raise_and_leave_the_model_unchanged():
                      plan={"layers.*.self_attn.k_proj": "colwise_kv"})
 
 
+def test_head_styles_need_a_family_and_an_attention_module():
+    _fails_unchanged(nn.Sequential(nn.Linear(4, 4)), "need the head counts of a known family",
+                     plan={"0": "colwise_kv"})
+    _fails_unchanged(make_tiny_model("gpt2"), "'conv1d_qkv' .* needs an enclosing 'attention' module",
+                     plan={"h.*.attn.c_attn": "conv1d_qkv"})
+
+
 def test_tied_parameters_need_matching_styles():
     model = make_tiny_model("qwen2")  # lm_head tied to embed_tokens
     _fails_unchanged(model, "lm_head.weight is tied to model.embed_tokens.weight", plan={"embed_tokens": "vocab"})

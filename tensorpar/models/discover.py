@@ -151,7 +151,7 @@ def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
             where = parent or "<model>"
             if err is not None and err <= tol:
                 styles.update({n: "colwise" for n in a_names} | {b_name: "rowwise"})
-                assigned.update(used for used in (*a_names, b_name))
+                assigned.update((*a_names, b_name))
                 notes.append(f"paired {', '.join(a_names)} -> {b_name} in {where} "
                              f"(checked: relative error {err:.1e})")
             else:

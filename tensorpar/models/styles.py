@@ -159,6 +159,9 @@ def conv1d_qkv(module, ctx, name):
     set to ``h/p`` so its ``split`` still separates q, k and v.
     """
     _check_conv(module, "conv1d_qkv", name)
+    if not ctx.in_region:
+        raise ValueError(f"style 'conv1d_qkv' ({name!r}) needs an enclosing 'attention' module "
+                         f"(its split_size becomes h/tp)")
     h, p = module.nf // 3, ctx.tp_size
     if module.nf % 3 or h % p:
         raise ValueError(f"{name!r}: fused qkv width {module.nf} must be 3 * h with tp_size ({p}) dividing h")
