@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar demo
+	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar run
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) -m pytest; rc=$$?; \

@@ -67,3 +67,48 @@ def test_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, messa
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_run_default_minilm_json(tp):
+    r = tensorpar("run", "--tp", str(tp), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tp"] == tp and out["family"] == "bert" and out["task"] == "sentence-embedding"
+    assert out["max_abs_diff"] <= 1e-5 and out["ok"]
+    assert out["params_total"] == 22_713_216
+    per_rank = out["params_per_rank"]
+    assert len(per_rank) == tp and all(n < out["params_total"] / tp * 1.05 for n in per_rank)
+    led = out["ledger"]
+    assert led["measured_bytes_per_rank"] == led["predicted_bytes_per_rank"]
+    assert all(b > 0 for b in led["measured_bytes_per_rank"])
+    assert {c["op"] for c in led["collectives"]} == {"all_reduce"}
+    assert len(led["collectives"]) == 1 + 2 * 6  # embedding + (attention, MLP) per layer
+    ranking = out["result"]["ranking"]
+    assert {ranking[0]["a"], ranking[0]["b"]} == {"A man is playing a guitar.", "Someone is strumming a guitar on stage."}
+
+
+def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
+    r = tensorpar("run", "--model", str(checkpoints["gpt2"]), "--tp", "2", "--prompt-ids", "3,1,4,1,5",
+                  "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    res = out["result"]
+    assert len(res["tokens"]) == 5 and res["tokens"] == res["dense_tokens"] and res["tokens_match"]
+    assert out["ledger_matches"] and out["max_rel_diff"] <= 1e-5
+    gen = out["ledger"]["generation"]
+    assert gen["measured_bytes_per_rank"] == gen["predicted_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
+    (["run", "--tp", "5"], "valid tp sizes: 1, 2, 3, 4, 6, 12"),
+    (["run", "--model", "{llama}", "--prompt", "hello"], "has no tokenizer for --prompt"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,99999"], "invalid: [99999]"),
+    (["run", "--prompt", "hi"], "--prompt is for decoders"),
+])
+def test_run_errors_are_one_line_with_exit_code_2(checkpoints, args, message):
+    r = tensorpar(*[a.format(llama=checkpoints["llama"]) for a in args])
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr

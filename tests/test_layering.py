@@ -88,3 +88,11 @@ def test_planner_imports_without_numpy_or_torch():
         import tensorpar.planner
     """)
     assert r.returncode == 0, r.stderr
+
+
+def test_top_level_lazy_names_resolve():
+    import tensorpar
+
+    for name in tensorpar.__all__:
+        assert getattr(tensorpar, name) is not None, name
+    assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.apply"

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py.
-SUBCOMMANDS = ("verify", "plan", "bench", "demo")
+SUBCOMMANDS = ("run", "verify", "plan", "bench", "demo")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,242 @@
+"""`tensorpar run`: shard a real checkpoint over local ranks and prove it computes the same function.
+
+Per rank: load only this rank's slices (``load_sharded``), run the task under the ledger. Rank 0
+also runs the unsplit model on the same inputs. The report holds the task's result (a sentence
+similarity ranking for encoders, greedy tokens for decoders), the largest difference from the
+unsplit model, the parameters each rank holds, and the measured collectives beside the
+planner's prediction for the same run.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tensorpar import dist
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, is_decoder, open_checkpoint, parse_dtype,
+                                   quiet_transformers)
+
+DEFAULT_SENTENCES = (
+    "A man is playing a guitar.",
+    "Someone is strumming a guitar on stage.",
+    "The cat sleeps on the windowsill.",
+    "A kitten is napping in the sun by the window.",
+    "Tensor parallelism splits weight matrices across devices.",
+    "The model's weights are sharded over several GPUs.",
+)
+
+
+@dataclass
+class RunReport:
+    model: str
+    family: str
+    tp: int
+    dtype: str
+    backend: str
+    task: str  # "sentence-embedding" or "generation"
+    max_abs_diff: float
+    max_rel_diff: float
+    tolerance_rel: float
+    params_total: int
+    params_per_rank: list
+    fixes: list
+    ledger: dict
+    result: dict = field(default_factory=dict)
+    load: list = field(default_factory=list)
+
+    @property
+    def ledger_matches(self) -> bool:
+        parts = [self.ledger, *([self.ledger["generation"]] if "generation" in self.ledger else [])]
+        return all(p["measured_bytes_per_rank"] == p["predicted_bytes_per_rank"] for p in parts)
+
+    @property
+    def ok(self) -> bool:
+        return (self.max_rel_diff <= self.tolerance_rel and self.result.get("tokens_match", True)
+                and self.ledger_matches)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ledger_matches": self.ledger_matches, "ok": self.ok}
+
+
+def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "auto",
+        sentences=None, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 16) -> RunReport:
+    """Shard ``model_dir`` (default: the packaged all-MiniLM-L6-v2) over ``tp`` local ranks."""
+    from tensorpar.models.minilm import minilm_path
+
+    ckpt = open_checkpoint(model_dir if model_dir is not None else minilm_path())
+    parse_dtype(dtype)
+    fixes = check_tp(ckpt, tp)
+    task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens)
+    backend = dist.resolve_backend(backend, tp)
+    spec = {"path": str(ckpt.path), "dtype": dtype, **task}
+    per_rank = dist.launch(run_worker, tp, spec, backend=backend)
+    return _report(ckpt, tp, dtype, backend, fixes, per_rank, task)
+
+
+def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
+    if not is_decoder(ckpt):
+        if prompt is not None or prompt_ids is not None:
+            raise ValueError(f"--prompt is for decoders; {ckpt.path} is a {ckpt.family} encoder "
+                             f"(it embeds --sentence TEXT instead)")
+        sentences = list(sentences or DEFAULT_SENTENCES)
+        if len(sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in sentences):
+            raise ValueError(f"need at least two non-empty sentences to rank, got {sentences!r}")
+        return {"task": "sentence-embedding", "sentences": sentences}
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
+    ids = _prompt_ids(ckpt, prompt, prompt_ids)
+    return {"task": "generation", "prompt_ids": ids, "max_new_tokens": max_new_tokens,
+            "has_tokenizer": _has_tokenizer(ckpt.path)}
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
+
+
+def _prompt_ids(ckpt, prompt, prompt_ids) -> list[int]:
+    vocab = ckpt.config.get("vocab_size")
+    if prompt_ids is not None:
+        ids = list(prompt_ids)
+    elif prompt is not None:
+        if not _has_tokenizer(ckpt.path):
+            raise ValueError(f"{ckpt.path} has no tokenizer for --prompt; give token ids with --prompt-ids 1,2,3")
+        from transformers import AutoTokenizer
+        ids = AutoTokenizer.from_pretrained(ckpt.path)(prompt)["input_ids"]
+    else:
+        ids = list(range(1, 9)) if not _has_tokenizer(ckpt.path) else None
+        if ids is None:
+            return _prompt_ids(ckpt, "Tensor parallelism splits a model across", None)
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
+    if not ids or bad:
+        raise ValueError(f"prompt token ids must be a non-empty list of integers in [0, {vocab}); invalid: {bad or ids}")
+    return ids
+
+
+# ---- on every rank ---------------------------------------------------------------------------
+
+def run_worker(spec: dict) -> dict:
+    from tensorpar.models.checkpoint import load_sharded
+
+    quiet_transformers()
+    dtype = DTYPES[spec["dtype"]]
+    model, load = load_sharded(spec["path"], dtype=dtype)
+    model.eval()
+    task = _encode if spec["task"] == "sentence-embedding" else _generate
+    with dist.ledger(model=model) as led:
+        split = task(model, spec, measured=True)
+    out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
+           "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
+           "bytes_sent": led.total_bytes_sent(), "split": split}
+    if dist.get_rank() == 0:
+        out["dense"] = task(_dense(spec["path"], dtype), spec, measured=False)
+    return out
+
+
+def _dense(path, dtype):
+    from transformers import AutoConfig
+    import transformers
+
+    config = AutoConfig.from_pretrained(path)
+    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
+    return cls.from_pretrained(path, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def _encode(model, spec, measured: bool) -> dict:
+    from transformers import AutoTokenizer
+
+    from tensorpar.models.minilm import sentence_embeddings
+
+    tok = AutoTokenizer.from_pretrained(spec["path"])
+    emb = sentence_embeddings(model, tok, spec["sentences"])  # (N, H), unit rows
+    n_tokens = tok(spec["sentences"], padding=True, truncation=True, return_tensors="pt")["input_ids"].shape
+    return {"output": emb, "input_shape": list(n_tokens)}
+
+
+@torch.no_grad()
+def _generate(model, spec, measured: bool) -> dict:
+    from tensorpar.models.generate import generate
+
+    ids = torch.tensor([spec["prompt_ids"]], dtype=torch.long)  # (1, T)
+    logits = model(input_ids=ids, use_cache=False).logits  # (1, T, V): the compared forward
+    # Generation's own collectives (one forward per token, a broadcast of each token) go to a
+    # ledger of their own, apart from the forward that is compared with the planner.
+    with dist.ledger() as gen:
+        tokens = generate(model, ids, spec["max_new_tokens"])
+    return {"output": logits, "tokens": tokens[0, ids.shape[1]:].tolist(), "input_shape": list(ids.shape),
+            "generation_bytes_sent": gen.total_bytes_sent(), "generation_collectives": len(gen.records)}
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(.*?\.(?:layers|layer|h)\.\d+)(?:\.|$)")
+
+
+def per_layer(records: list[dict]) -> dict:
+    """Records grouped by transformer block (``model.layers.3``) or top-level module."""
+    out: dict = {}
+    for r in records:
+        m = _LAYER.match(r["module"])
+        key = m.group(1) if m else (r["module"] or "(outside any module)")
+        s = out.setdefault(key, {"collectives": 0, "bytes_sent": 0, "ops": {}})
+        s["collectives"] += 1
+        s["bytes_sent"] += r["bytes_sent"]
+        s["ops"][r["op"]] = s["ops"].get(r["op"], 0) + 1
+    return out
+
+
+def _report(ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
+    rank0 = per_rank[0]
+    split, dense = rank0["split"]["output"], rank0["dense"]["output"]
+    diff = (split.double() - dense.double()).abs().max().item()
+    scale = dense.double().abs().max().item() or 1.0
+    batch, seq = rank0["split"]["input_shape"]
+    workload = "forward" if task["task"] == "sentence-embedding" else "logits"
+    predicted = _predict(ckpt, tp, dtype, batch, seq, workload, backend)
+    ledger = {"workload": workload, "measured_bytes_per_rank": [r["bytes_sent"] for r in per_rank],
+              "predicted_bytes_per_rank": predicted.bytes_sent_per_rank,
+              "predicted": [i.to_dict() for i in predicted.items], "collectives": rank0["records"],
+              "per_layer": per_layer(rank0["records"])}
+    if task["task"] == "generation":
+        gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
+        ledger["generation"] = {"measured_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
+                                "predicted_bytes_per_rank": gen.bytes_sent_per_rank}
+    return RunReport(model=str(ckpt.path), family=ckpt.family, tp=tp, dtype=dtype, backend=backend,
+                     task=task["task"], max_abs_diff=diff, max_rel_diff=diff / scale,
+                     tolerance_rel=TOLERANCE[DTYPES[dtype]], params_total=rank0["params_total"],
+                     params_per_rank=[r["params"] for r in per_rank], fixes=fixes, ledger=ledger,
+                     result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank])
+
+
+def _result(task, rank0, path) -> dict:
+    if task["task"] == "sentence-embedding":
+        emb = rank0["split"]["output"]
+        sim = (emb @ emb.T).tolist()  # unit rows: cosine similarity
+        n = len(task["sentences"])
+        pairs = sorted(((sim[i][j], i, j) for i in range(n) for j in range(i + 1, n)), reverse=True)
+        return {"sentences": task["sentences"],
+                "ranking": [{"a": task["sentences"][i], "b": task["sentences"][j], "similarity": s}
+                            for s, i, j in pairs]}
+    split, dense = rank0["split"]["tokens"], rank0["dense"]["tokens"]
+    return {"prompt_ids": task["prompt_ids"], "tokens": split, "dense_tokens": dense,
+            "tokens_match": split == dense, "text": _decode(path, task, split),
+            "generation_collectives": rank0["split"]["generation_collectives"]}
+
+
+def _decode(path, task, tokens) -> str | None:
+    """The prompt and its continuation as text, when the checkpoint has a tokenizer."""
+    if not task["has_tokenizer"]:
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path).decode(task["prompt_ids"] + tokens)
+
+
+def _predict(ckpt, tp, dtype, batch, seq, workload, backend, new_tokens=1):
+    """The planner's prediction of every collective each rank issues in this run."""
+    from tensorpar.planner import predict_collectives
+
+    elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    return predict_collectives(ckpt.config, tp, batch, seq, elem, workload, new_tokens=new_tokens,
+                               backend=backend)
