@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tensorpar import dist
 from tensorpar.apply import parallelize
-from tensorpar.models.generate import generate
+from tensorpar.models.generation import generate
 from tensorpar.models.testing import make_tiny_model
 from tensorpar.models.training import train_step
 

@@ -96,3 +96,19 @@ def test_top_level_lazy_names_resolve():
     for name in tensorpar.__all__:
         assert getattr(tensorpar, name) is not None, name
     assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.apply"
+
+
+def test_lazy_function_names_are_not_shadowed_by_submodules():
+    # A submodule named like a lazily exported function would replace it once imported.
+    import importlib
+    import pkgutil
+
+    import tensorpar
+    import tensorpar.models as models
+
+    for pkg in (tensorpar, models):
+        subs = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
+        clash = sorted(subs & set(pkg._LAZY))
+        assert not clash, f"{pkg.__name__}: submodules {clash} shadow functions of the same name"
+    importlib.import_module("tensorpar.models.generation")
+    assert callable(models.generate)

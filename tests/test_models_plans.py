@@ -12,7 +12,7 @@ from torch import nn
 from tensorpar.apply import parallelize
 from tensorpar.models import discover
 from tensorpar.models.feasibility import check_feasibility
-from tensorpar.models.generate import generate
+from tensorpar.models.generation import generate
 from tensorpar.models.plans import Dims, compile_plan, match_style
 from tensorpar.models.styles import ShardSpec
 from tensorpar.models.testing import make_tiny_config, make_tiny_model

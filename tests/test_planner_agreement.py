@@ -42,7 +42,7 @@ def _param_bytes(model) -> int:
 
 def _run_family(family: str, ids: torch.Tensor, group) -> dict:
     from tensorpar.apply import parallelize
-    from tensorpar.models.generate import generate
+    from tensorpar.models.generation import generate
     from tensorpar.models.testing import make_tiny_model
     from tensorpar.models.training import causal_lm_loss
 

@@ -157,7 +157,7 @@ def _encode(model, spec, measured: bool) -> dict:
 
 @torch.no_grad()
 def _generate(model, spec, measured: bool) -> dict:
-    from tensorpar.models.generate import generate
+    from tensorpar.models.generation import generate
 
     ids = torch.tensor([spec["prompt_ids"]], dtype=torch.long)  # (1, T)
     logits = model(input_ids=ids, use_cache=False).logits  # (1, T, V): the compared forward

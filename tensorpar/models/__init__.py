@@ -22,7 +22,7 @@ _LAZY = {
     "FeasibilityReport": "tensorpar.models.feasibility",
     "ParallelizeReport": "tensorpar.models.report",
     "load_sharded": "tensorpar.models.checkpoint", "LoadReport": "tensorpar.models.checkpoint",
-    "generate": "tensorpar.models.generate",
+    "generate": "tensorpar.models.generation",
     "train_step": "tensorpar.models.training", "causal_lm_loss": "tensorpar.models.training",
     "clip_grad_norm_": "tensorpar.models.training",
     "make_tiny_config": "tensorpar.models.testing", "make_tiny_model": "tensorpar.models.testing",

@@ -17,7 +17,7 @@ every collective that ``tensorpar.dist.ledger`` records when a model parallelize
                                                                       of (g, d, h[+1]) per layer
     decode     one greedy step with a KV cache: a (b, 1) forward    logits with s = 1, then a
                with gathered logits, then the argmax broadcast        broadcast of b int64 from
-               from rank 0 (tensorpar.models.generate)                rank 0
+               from rank 0 (tensorpar.models.generation)                rank 0
     generate   generate(..., max_new_tokens=new_tokens): the        the prompt step (s = seq) and
                prompt step then new_tokens - 1 decode steps           new_tokens - 1 decode steps
 
