@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tensorpar", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="tensorpar", description="Tensor parallelism that states its costs, measures "
+                     "them, and proves the split model computes the same function as the unsplit one.")
     from tensorpar import __version__
 
     parser.add_argument("--version", action="version", version=f"tensorpar {__version__}")

@@ -57,8 +57,10 @@ def _show(r) -> None:
     con = Console()
     con.print(f"[bold]{r.model}[/]  ({r.family}, tp={r.tp}, {r.dtype}, {r.backend})")
     if r.task == "sentence-embedding":
-        t = Table(title="Sentence similarity (cosine), from the split model", title_justify="left")
-        for col in ("similarity", "sentence", "closest to"):
+        n = len(r.result["ranking"])
+        t = Table(title=f"Most similar sentence pairs (cosine of the split model's embeddings; top 5 of {n})",
+                  title_justify="left")
+        for col in ("similarity", "sentence", "sentence"):
             t.add_column(col)
         for row in r.result["ranking"][:5]:
             t.add_row(f"{row['similarity']:.3f}", row["a"], row["b"])

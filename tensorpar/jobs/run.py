@@ -30,7 +30,8 @@ DEFAULT_SENTENCES = (
 
 @dataclass
 class RunReport:
-    model: str
+    model: str  # a name: the packaged model's, else the directory's
+    model_path: str
     family: str
     tp: int
     dtype: str
@@ -66,13 +67,14 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
     from tensorpar.models.minilm import minilm_path
 
     ckpt = open_checkpoint(model_dir if model_dir is not None else minilm_path())
+    name = "all-MiniLM-L6-v2" if model_dir is None else ckpt.path.name
     parse_dtype(dtype)
     fixes = check_tp(ckpt, tp)
     task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens)
     backend = dist.resolve_backend(backend, tp)
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}
     per_rank = dist.launch(run_worker, tp, spec, backend=backend)
-    return _report(ckpt, tp, dtype, backend, fixes, per_rank, task)
+    return _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task)
 
 
 def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
@@ -187,7 +189,7 @@ def per_layer(records: list[dict]) -> dict:
     return out
 
 
-def _report(ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
+def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
     rank0 = per_rank[0]
     split, dense = rank0["split"]["output"], rank0["dense"]["output"]
     diff = (split.double() - dense.double()).abs().max().item()
@@ -203,7 +205,7 @@ def _report(ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
         gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
         ledger["generation"] = {"measured_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
                                 "predicted_bytes_per_rank": gen.bytes_sent_per_rank}
-    return RunReport(model=str(ckpt.path), family=ckpt.family, tp=tp, dtype=dtype, backend=backend,
+    return RunReport(model=name, model_path=str(ckpt.path), family=ckpt.family, tp=tp, dtype=dtype, backend=backend,
                      task=task["task"], max_abs_diff=diff, max_rel_diff=diff / scale,
                      tolerance_rel=TOLERANCE[DTYPES[dtype]], params_total=rank0["params_total"],
                      params_per_rank=[r["params"] for r in per_rank], fixes=fixes, ledger=ledger,
