@@ -84,13 +84,21 @@ def _proof(con, r) -> None:
     con.print(f"parameters: unsplit {r.params_total:,}; {fr}")
     if r.fixes:
         con.print("fixes applied: " + "; ".join(r.fixes))
-    t = Table(title="Communication, rank 0 (ring bytes sent)", title_justify="left")
-    for col in ("module", "collectives", "ops", "bytes sent"):
-        t.add_column(col, justify="right" if col in ("collectives", "bytes sent") else "left")
+    t = Table(title="Communication of rank 0, measured by the ledger beside the planner (ring bytes sent)",
+              title_justify="left")
+    for col in ("module", "collectives", "ops", "bytes sent", "planner, per block"):
+        t.add_column(col, justify="left" if col in ("module", "ops") else "right")
+    per_block = r.ledger["predicted_per_layer_bytes_per_rank"][0]
     for name, s in r.ledger["per_layer"].items():
         ops = ", ".join(f"{k} x{v}" for k, v in s["ops"].items())
-        t.add_row(name, str(s["collectives"]), ops, f"{s['bytes_sent']:,}")
+        block = name.rsplit(".", 1)[-1].isdigit()
+        t.add_row(name, str(s["collectives"]), ops, f"{s['bytes_sent']:,}", f"{per_block:,}" if block else "")
     con.print(t)
     meas, pred = r.ledger["measured_bytes_per_rank"], r.ledger["predicted_bytes_per_rank"]
     same = "[green]equal[/]" if meas == pred else "[red]DIFFERENT[/]"
     con.print(f"bytes sent per rank: measured {meas}, planner predicted {pred}: {same}")
+    gen = r.ledger.get("generation")
+    if gen:
+        gm, gp = gen["measured_bytes_per_rank"], gen["predicted_bytes_per_rank"]
+        con.print(f"greedy generation, {len(r.result['tokens'])} tokens: measured {gm}, planner predicted {gp}: "
+                  + ("[green]equal[/]" if gm == gp else "[red]DIFFERENT[/]"))

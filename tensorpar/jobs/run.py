@@ -200,6 +200,7 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
     ledger = {"workload": workload, "measured_bytes_per_rank": [r["bytes_sent"] for r in per_rank],
               "predicted_bytes_per_rank": predicted.bytes_sent_per_rank,
               "predicted": [i.to_dict() for i in predicted.items], "collectives": rank0["records"],
+              "predicted_per_layer_bytes_per_rank": predicted.per_layer_bytes_sent_per_rank,
               "per_layer": per_layer(rank0["records"])}
     if task["task"] == "generation":
         gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
