@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import dist
-from tensorpar.nn.attention_ops import KVCache, attention_core
+from tensorpar.nn.attention_ops import KVCache, attention_core, check_attn_mask
 from tensorpar.nn.dense import Attention
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, tp_info
 from tensorpar.nn.partition import valid_attention_tp_sizes
@@ -87,8 +87,9 @@ class ParallelAttention(nn.Module):
                  attn_dropout: float = 0.0, rng_tracker=None, tp_group=None,
                  sequence_parallel: bool = False, dtype=None, device=None):
         super().__init__()
+        tp_size = tp_info(tp_group)[0]  # a non-member of tp_group is told so first
         n_kv = n_heads if n_kv_heads is None else n_kv_heads
-        check_head_split(n_heads, n_kv, tp_info(tp_group)[0])  # before allocating
+        check_head_split(n_heads, n_kv, tp_size)  # before allocating
         dense = Attention(hidden_size, n_heads, n_kv_heads, head_dim=head_dim, qkv_bias=qkv_bias,
                           out_bias=out_bias, rotary=rotary, rope_theta=rope_theta, causal=causal,
                           attn_dropout=attn_dropout, dtype=dtype, device=device)
@@ -104,8 +105,8 @@ class ParallelAttention(nn.Module):
         return self
 
     def _shard(self, attn, tp_group, sequence_parallel, rng_tracker):
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tp_size, self.tp_rank = tp_info(tp_group)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         check_head_split(attn.n_heads, attn.n_kv_heads, self.tp_size)
         if attn.attn_dropout > 0 and rng_tracker is None:
             raise ValueError(f"attn_dropout ({attn.attn_dropout}) > 0 acts on sharded heads and "
@@ -132,13 +133,13 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, H)`` (``(B, T/p, H)`` with sequence parallelism) -> same shape."""
-        check_last_dim(x, self.hidden_size, "hidden_size")
-        check_dtype(x, self.q_proj.weight, type(self).__name__)
-        if self.sequence_parallel:
-            check_sequence_input(x, type(self).__name__)
-        if attn_mask is not None and attn_mask.dtype != torch.bool:
-            raise ValueError(f"attn_mask must be a bool tensor (True = attend); got {attn_mask.dtype}")
+        """``x: (B, T, H)`` (``(B, T/p, H)`` with sequence parallelism) -> same shape.
+
+        ``attn_mask``: bool, broadcastable to ``(B, n_heads, T, S)`` over the full sequence
+        (T tokens, S = cached + T keys), True = attend; a per-head mask is cut to this rank's
+        heads.
+        """
+        mask_shard = self._check_inputs(x, cache, attn_mask)
         x = enter_tp_region(x, self.tp_group, self.sequence_parallel)  # (B, T, H)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, heads_local*D)
         dropout_p = self.attn_dropout if self.training else 0.0
@@ -148,5 +149,26 @@ class ParallelAttention(nn.Module):
                                      n_kv_heads=self.n_kv_heads_per_partition,
                                      head_dim=self.head_dim, rotary=self.rotary,
                                      rope_theta=self.rope_theta, causal=self.causal, cache=cache,
-                                     attn_mask=attn_mask, dropout_p=dropout_p)  # (B, T, hq*D)
+                                     attn_mask=mask_shard, dropout_p=dropout_p)  # (B, T, hq*D)
         return self.o_proj(o_shard)  # (B, T, H) summed over ranks
+
+    def _check_inputs(self, x, cache, attn_mask) -> torch.Tensor | None:
+        """Every check of the input, cache and mask, before the first collective (the sequence
+        all-gather or, in o_proj, the all-reduce); returns this rank's heads of the mask."""
+        check_last_dim(x, self.hidden_size, "hidden_size")
+        check_dtype(x, self.q_proj.weight, type(self).__name__)
+        if self.sequence_parallel:
+            check_sequence_input(x, type(self).__name__)
+        if cache is not None:
+            autocast = torch.is_autocast_enabled(x.device.type)
+            cache.check(x.shape[0], self.n_kv_heads_per_partition, self.head_dim,
+                        None if autocast else self.q_proj.weight.dtype)
+        if attn_mask is None:
+            return None
+        t = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)  # the full sequence
+        s = t + (0 if cache is None else cache.seq_len)
+        mask = check_attn_mask(attn_mask, x.shape[0], self.n_heads, t, s)  # (B|1, hq|1, T|1, S|1)
+        if mask.shape[1] == 1:
+            return mask
+        hq = self.n_heads_per_partition
+        return mask[:, self.tp_rank * hq:(self.tp_rank + 1) * hq]  # (B|1, n_heads/p, T|1, S|1)

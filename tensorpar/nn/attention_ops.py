@@ -26,14 +26,38 @@ class KVCache:
     def seq_len(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
+    def check(self, batch: int, n_kv_heads: int, head_dim: int,
+              dtype: torch.dtype | None = None) -> None:
+        """ValueError unless keys ``(batch, n_kv_heads, T, head_dim)`` (of ``dtype``, when given)
+        can be appended: a layer checks this before its first collective."""
+        if self.k is None:
+            return
+        b, h, _, d = self.k.shape
+        if (b, h, d) != (batch, n_kv_heads, head_dim) or dtype not in (None, self.k.dtype):
+            want = f"batch {batch}, {n_kv_heads} KV heads, head_dim {head_dim}"
+            want += "" if dtype is None else f", dtype {dtype}"
+            raise ValueError(f"KVCache holds keys of shape {tuple(self.k.shape)} (B, KV heads, S, "
+                             f"head_dim), dtype {self.k.dtype}; this step needs {want}; use "
+                             f"one KVCache per layer, rank and batch of sequences")
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add this step's ``(B, h, T, D)`` keys and values; return all ``(B, h, S + T, D)``."""
-        if self.k is not None and (k.shape[:2] != self.k.shape[:2] or k.shape[3] != self.k.shape[3]):
-            raise ValueError(f"KVCache holds keys of shape {tuple(self.k.shape)}; new keys "
-                             f"{tuple(k.shape)} differ in batch, heads or head_dim")
+        self.check(k.shape[0], k.shape[1], k.shape[3])
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         return self.k, self.v
+
+
+def check_attn_mask(mask: torch.Tensor, batch: int, n_heads: int, t: int, s: int) -> torch.Tensor:
+    """``mask`` viewed as 4-d ``(B|1, n_heads|1, T|1, S|1)``; ValueError unless it is bool and
+    broadcastable to ``(B, n_heads, T, S)`` (queries T, keys S = cached + T)."""
+    if mask.dtype != torch.bool:
+        raise ValueError(f"attn_mask must be a bool tensor (True = attend); got {mask.dtype}")
+    full = (batch, n_heads, t, s)
+    if mask.dim() > 4 or any(m not in (1, f) for m, f in zip(mask.shape[::-1], full[::-1])):
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"(B, n_heads, T, S) = {full}; each dim must be 1 or equal it")
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, hq|1, T|1, S|1)
 
 
 def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

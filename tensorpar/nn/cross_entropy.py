@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from tensorpar import dist
+from tensorpar.nn.layers import tp_info
 from tensorpar.nn.partition import padded_range
 from tensorpar.nn.validation import check_choice
 
@@ -82,7 +83,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
     as ``F.cross_entropy``: ``mean`` over non-ignored targets, ``sum``, or ``none``. Half
     precision is computed, and returned, in float32.
     """
-    tp_size, tp_rank = dist.get_world_size(group=tp_group), dist.get_rank(group=tp_group)
+    tp_size, tp_rank = tp_info(tp_group)
     vocab_size = tp_size * logits_shard.shape[-1] if vocab_size is None else vocab_size
     _check(logits_shard, target, vocab_size, tp_size, reduction)
     valid = (target == ignore_index) | ((target >= 0) & (target < vocab_size))

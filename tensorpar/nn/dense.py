@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar.nn.attention_ops import KVCache, attention_core
+from tensorpar.nn.attention_ops import KVCache, attention_core, check_attn_mask
 from tensorpar.nn.validation import check_choice, check_positive
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "relu": F.relu,
@@ -74,7 +74,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x: (B, T, H)`` -> ``(B, T, H)``; ``cache`` continues an earlier sequence."""
+        """``x: (B, T, H)`` -> ``(B, T, H)``; ``cache`` continues an earlier sequence;
+        ``attn_mask``: bool, broadcastable to ``(B, n_heads, T, S)``, True = attend."""
+        if attn_mask is not None:
+            s = x.shape[1] + (0 if cache is None else cache.seq_len)
+            attn_mask = check_attn_mask(attn_mask, x.shape[0], self.n_heads, x.shape[1], s)
         o = attention_core(self.q_proj(x), self.k_proj(x), self.v_proj(x),
                            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
                            head_dim=self.head_dim, rotary=self.rotary, rope_theta=self.rope_theta,

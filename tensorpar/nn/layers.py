@@ -19,8 +19,17 @@ from tensorpar.nn.validation import (check_dtype, check_ids, check_last_dim, che
 
 
 def tp_info(tp_group) -> tuple[int, int]:
-    """``(tp_size, tp_rank)`` of this process in ``tp_group`` (None: the world group)."""
-    return dist.get_world_size(group=tp_group), dist.get_rank(group=tp_group)
+    """``(tp_size, tp_rank)`` of this process in ``tp_group`` (None: the world group).
+
+    torch answers rank -1 (and size -1) for a group this process does not belong to; building
+    a shard from that would slice with negative sizes far from the cause, so it is refused here.
+    """
+    tp_rank = dist.get_rank(group=tp_group)
+    if tp_rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not a member of tp_group; build a "
+                         f"tensor-parallel layer only on the ranks of its group (every rank calls "
+                         f"dist.new_group(ranks), but only the ranks in `ranks` may use the group)")
+    return dist.get_world_size(group=tp_group), tp_rank
 
 
 def enter_tp_region(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch.Tensor:
@@ -106,9 +115,9 @@ class ColumnParallelLinear(nn.Module):
 
     def _configure(self, in_features, out_features, tp_group, gather_output, sequence_parallel,
                    skip_input_comm, pad_out_features):
+        self.tp_size, self.tp_rank = tp_info(tp_group)
         self.in_features, self.out_features = in_features, out_features
         self.tp_group = tp_group
-        self.tp_size, self.tp_rank = tp_info(tp_group)
         if not pad_out_features:
             divide(out_features, self.tp_size, "out_features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -183,12 +192,12 @@ class RowParallelLinear(nn.Module):
 
     def _configure(self, in_features, out_features, tp_group, input_is_parallel,
                    sequence_parallel):
+        self.tp_size, self.tp_rank = tp_info(tp_group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of "
                              "a sequence-parallel row linear is the column linear's shard)")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group = tp_group
-        self.tp_size, self.tp_rank = tp_info(tp_group)
         self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
 
@@ -246,6 +255,7 @@ class VocabParallelEmbedding(nn.Module):
                  padding_idx: int | None = None, sequence_parallel: bool = False,
                  init_method=None, dtype=None, device=None):
         super().__init__()
+        tp_info(tp_group)  # a non-member of tp_group is told so before anything else
         check_positive(num_embeddings, "num_embeddings")
         check_positive(embedding_dim, "embedding_dim")
         self._configure(num_embeddings, embedding_dim, padding_idx, tp_group, sequence_parallel)
@@ -260,6 +270,7 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, embedding: nn.Embedding, *, tp_group=None,
                    sequence_parallel: bool = False) -> "VocabParallelEmbedding":
         """This rank's rows of ``embedding`` (max_norm / sparse are not supported)."""
+        tp_info(tp_group)
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding.from_dense: max_norm and sparse embeddings "
                              "are not supported; valid: max_norm=None, sparse=False")

@@ -31,8 +31,9 @@ class ParallelMLP(nn.Module):
                  bias: bool = True, tp_group=None, sequence_parallel: bool = False,
                  dtype=None, device=None):
         super().__init__()
+        tp_size = tp_info(tp_group)[0]  # a non-member of tp_group is told so first
         check_choice(activation, "activation", tuple(ACTIVATIONS))
-        divide(ffn_hidden_size, tp_info(tp_group)[0], "ffn_hidden_size")  # before allocating
+        divide(ffn_hidden_size, tp_size, "ffn_hidden_size")  # before allocating
         dense = MLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias,
                     dtype=dtype, device=device)
         self._shard(dense, tp_group, sequence_parallel)
@@ -47,8 +48,8 @@ class ParallelMLP(nn.Module):
         return self
 
     def _shard(self, mlp, tp_group, sequence_parallel):
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tp_size, self.tp_rank = tp_info(tp_group)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.activation = mlp.activation
         self.hidden_size = mlp.up_proj.in_features
         self.ffn_hidden_size = mlp.up_proj.out_features

@@ -30,6 +30,7 @@ class SequenceParallelNorm(nn.Module):
     def __init__(self, hidden_size: int, *, kind: str = "rmsnorm", eps: float | None = 1e-5,
                  bias: bool = True, tp_group=None, dtype=None, device=None):
         super().__init__()
+        tp_info(tp_group)  # a non-member of tp_group is told so before anything else
         check_choice(kind, "kind", ("rmsnorm", "layernorm"))
         dense = (nn.RMSNorm(hidden_size, eps=eps, dtype=dtype, device=device) if kind == "rmsnorm"
                  else nn.LayerNorm(hidden_size, eps=eps, bias=bias, dtype=dtype, device=device))
@@ -44,6 +45,7 @@ class SequenceParallelNorm(nn.Module):
         return self
 
     def _load(self, norm, tp_group):
+        self.tp_size, self.tp_rank = tp_info(tp_group)
         if not isinstance(norm, (nn.LayerNorm, nn.RMSNorm)) or len(norm.normalized_shape) != 1 \
                 or not norm.elementwise_affine:
             raise ValueError(f"SequenceParallelNorm wraps an affine nn.LayerNorm or nn.RMSNorm over "
@@ -51,7 +53,6 @@ class SequenceParallelNorm(nn.Module):
         self.kind = "layernorm" if isinstance(norm, nn.LayerNorm) else "rmsnorm"
         self.hidden_size, self.eps = norm.normalized_shape[0], norm.eps
         self.tp_group = tp_group
-        self.tp_size, self.tp_rank = tp_info(tp_group)
         with torch.no_grad():
             self.weight = nn.Parameter(norm.weight.detach().clone(), norm.weight.requires_grad)
             bias = getattr(norm, "bias", None)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar import dist
+from tensorpar.nn.layers import tp_info
 
 TP_RNG = "tensor-parallel"
 _TP_SEED_OFFSET = 2718
@@ -68,9 +68,10 @@ def model_parallel_seed(seed: int, *, tp_group=None, device: str | torch.device 
     """Seed the default generator with ``seed`` (same on every rank: replicated dropout) and
     return a tracker whose ``TP_RNG`` state is seeded ``seed + 2718 + tp_rank`` (sharded dropout).
     """
+    tp_rank = tp_info(tp_group)[1]  # before seeding: a non-member must not disturb the RNG
     torch.manual_seed(seed)
     tracker = RNGStatesTracker(device)
-    tracker.add(TP_RNG, seed + _TP_SEED_OFFSET + dist.get_rank(group=tp_group))
+    tracker.add(TP_RNG, seed + _TP_SEED_OFFSET + tp_rank)
     return tracker
 
 
