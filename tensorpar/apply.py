@@ -6,7 +6,9 @@ counts on attention modules, makes attention/MLP inputs enter the tensor-paralle
 and re-ties parameters that were tied (input embedding = output head). Order of work:
 
 1. resolve the plan and check feasibility (heads, KV heads, ffn, vocabulary) -> ValueError
-   listing the valid tp sizes;
+   listing the valid tp sizes; check that the plan computes the model's function
+   (``tensorpar.models.plan_checks``: column splits paired with row splits, attention split
+   whole) -> ValueError naming the missing entries;
 2. build every replacement module (slicing weights) without touching the model; any error
    here leaves the model exactly as it was;
 3. commit: swap modules, re-tie, set head counts, install region hooks, tag parameters.
@@ -25,10 +27,15 @@ from torch import nn
 from tensorpar import dist
 from tensorpar.models import discover, styles as S
 from tensorpar.models.feasibility import check_feasibility
+from tensorpar.models.plan_checks import check_plan
 from tensorpar.models.plans import (FAMILY_PLANS, REGION_STYLES, compile_plan, local_head_attrs,
                                     match_style, model_dims, model_family)
 from tensorpar.models.report import ParallelizeReport
-from tensorpar.nn import ReplicatedHeadLinear
+from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear,
+                          VocabParallelEmbedding)
+from tensorpar.nn.layers import tp_info
+
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
 
 HEAD_STYLES = ("attention", "colwise_kv", "conv1d_qkv")  # need the model's head counts
 
@@ -43,9 +50,8 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if hasattr(model, "tp_report"):
-        raise ValueError("model is already parallelized (it has a tp_report); build a fresh dense model")
-    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    _check_dense(model)
+    tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     resolved = _resolve(model, plan, tp_size, example_inputs)
     report = ParallelizeReport(family=resolved["family"], source=resolved["source"], tp_size=tp_size,
                                tp_rank=tp_rank, notes=resolved["notes"],
@@ -53,6 +59,8 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
                                params_total=sum(p.numel() for p in model.parameters()))
     ctx_args = dict(tp_group=tp_group, tp_size=tp_size, tp_rank=tp_rank, dims=resolved["dims"])
     assigned = _assign(model, resolved)
+    if resolved["source"] != "discovered":  # discovered pairs were checked numerically
+        check_plan(model, assigned, resolved["family"], resolved["dims"], tp_size, _base_prefix(model))
     built = _build(model, assigned, ctx_args)
     ties = _plan_ties(model, built)
     _commit(model, assigned, built, ties, resolved, ctx_args)
@@ -64,6 +72,16 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
 
 
 # ---- 1. plan ---------------------------------------------------------------------------------
+
+def _check_dense(model) -> None:
+    """Refuse a model that is, or holds a module that is, already parallelized."""
+    for name, mod in model.named_modules():
+        if hasattr(mod, "tp_report") or isinstance(mod, _PARALLEL):
+            what = "it has a tp_report" if not name else (
+                f"its submodule {name!r} " + ("has a tp_report" if hasattr(mod, "tp_report")
+                                             else f"is a {type(mod).__name__}"))
+            raise ValueError(f"model is already parallelized ({what}); build a fresh dense model")
+
 
 def _resolve(model, plan, tp_size, example_inputs) -> dict:
     family = model_family(model)

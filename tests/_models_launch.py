@@ -15,13 +15,16 @@ from tensorpar.models.testing import make_tiny_checkpoint
 from tests import _models_workers as W
 
 TINY_CHECKPOINTS = ("llama", "gpt2")
+SHARDED = {"llama": "20KB"}  # the llama checkpoint is split over many files with an index
 ALL = [0, 1, 2, 3]
 TRAINING_CASES = [("llama", 4, "float64", ALL),   # GQA 4/2 heads: KV heads replicated, grads synced
                   ("gpt2", 4, "float64", ALL),    # Conv1D, fused qkv, tied embeddings, padded vocab
+                  ("llama", 4, "float32", ALL),
                   ("llama", 2, "float64", [0, 1]),
                   ("qwen2", 2, "float64", [2, 3]),  # MQA (replicated KV), tied embeddings
                   ("llama", 2, "float32", [0, 1]),
-                  ("gpt2", 2, "float32", [2, 3])]
+                  ("gpt2", 2, "float32", [2, 3]),
+                  ("llama_tied", 2, "float64", [0, 1])]  # tied Llama head
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +32,8 @@ def results() -> dict:
     """``{"checkpoint" | "inference" | "training": [per-rank result, ...]}``."""
     tmp = tempfile.TemporaryDirectory(prefix="tensorpar-models-")
     atexit.register(tmp.cleanup)
-    dirs = {f: str(make_tiny_checkpoint(Path(tmp.name) / f, f)) for f in TINY_CHECKPOINTS}
+    dirs = {f: str(make_tiny_checkpoint(Path(tmp.name) / f, f, max_shard_size=SHARDED.get(f)))
+            for f in TINY_CHECKPOINTS}
     per_rank = dist.launch(W.all_worker, 4, dirs, TRAINING_CASES, deadline=600)
     return {part: [r[part] for r in per_rank] for part in per_rank[0]}
 

@@ -7,6 +7,7 @@ same seed, so the reference is local; each rank returns plain data the test asse
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,16 @@ FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
 DECODERS = ("llama", "mistral", "qwen2", "gpt2")
 VOCAB = 130
 TP3_DOES_NOT_FIT = ("llama", "mistral")  # 4 and 8 query heads (tiny configs in models/testing.py)
+# Variants of the tiny models, run at tp 2 only: a tied Llama head; a vocabulary (131) that
+# does not divide by 2, padded to 132.
+VARIANTS = {"llama_tied": ("llama", {"tie_word_embeddings": True}),
+            "gpt2_v131": ("gpt2", {"vocab_size": 131})}
+
+
+def tiny(name: str, **kw):
+    """``make_tiny_model`` of a family or of a :data:`VARIANTS` name."""
+    family, sizes = VARIANTS.get(name, (name, {}))
+    return make_tiny_model(family, **sizes, **kw)
 
 
 def tp_groups() -> dict:
@@ -72,6 +83,12 @@ def _param_accounting(model, family) -> dict:
             "vocab_tags": [emb.weight.tp_replicas] + ([head.weight.tp_replicas] if head is not None else [])}
 
 
+def _whole_matrices(model, dense) -> list[str]:
+    """Names of 2-D parameters the split left at their dense shape (independent of tags)."""
+    shapes = {n: p.shape for n, p in dense.named_parameters()}
+    return sorted(n for n, p in model.named_parameters() if p.dim() == 2 and p.shape == shapes.get(n))
+
+
 def _forward_case(family, dense, group, tp, ids) -> dict:
     model = parallelize(copy.deepcopy(dense), tp_group=group)
     with torch.no_grad():
@@ -82,7 +99,8 @@ def _forward_case(family, dense, group, tp, ids) -> dict:
     res = {"logits_rel": _rel(out.logits, ref.logits),
            "hidden_rel": max(_rel(a, b) for a, b in zip(out.hidden_states, ref.hidden_states)),
            "params": _param_accounting(model, family), "notes": model.tp_report.notes,
-           "fwd_ops": [(r.op, r.phase) for r in led.records]}
+           "fwd_ops": [(r.op, r.phase) for r in led.records], "whole_2d": _whole_matrices(model, dense),
+           "counted": sum(p.numel() for p in model.parameters()), "tp_rank": dist.get_rank(group)}
     if family in DECODERS:
         prompt = _ids(7, (2, 5))
         want = generate(dense, prompt, 8)
@@ -109,8 +127,28 @@ def _error_case(dense, group) -> dict:
     return {"error": None, "unchanged": unchanged(model, snap)}
 
 
+def _frozen_case(group) -> dict:
+    """Frozen parameters stay frozen through every style (tp 4: replicated KV heads too)."""
+    dense = make_tiny_model("llama")
+    for name, p in dense.named_parameters():
+        p.requires_grad_(not ("embed_tokens" in name or "k_proj" in name or "down_proj" in name))
+    model = parallelize(dense, tp_group=group)
+    return {"frozen": sorted(n for n, p in model.named_parameters() if not p.requires_grad),
+            "trainable": sum(p.requires_grad for p in model.parameters())}
+
+
+def _outsider_case(group) -> str | None:
+    """A rank outside ``tp_group`` calling parallelize: the ValueError, before any collective."""
+    try:
+        parallelize(make_tiny_model("gpt2"), tp_group=group)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def inference_worker(families=FAMILIES) -> dict:
-    """``{(family, tp): result}`` for every case this rank takes part in."""
+    """``{(family, tp): result}`` for every case this rank takes part in; the variants at tp 2;
+    frozen parameters at tp 4; a parallelize outside the group on the ranks not in [0]."""
     groups, rank, out = tp_groups(), dist.get_rank(), {}
     for family in families:
         dense = make_tiny_model(family)
@@ -122,6 +160,11 @@ def inference_worker(families=FAMILIES) -> dict:
                 out[(family, tp)] = _error_case(dense, group)
             else:
                 out[(family, tp)] = _forward_case(family, dense, group, tp, ids)
+    for name, (family, _) in VARIANTS.items():
+        out[(name, 2)] = _forward_case(family, tiny(name), groups[2][0], 2, _ids(1))
+    out["frozen"] = _frozen_case(groups[4][0])
+    if rank not in groups[1][1]:
+        out["outsider"] = _outsider_case(groups[1][0])
     return out
 
 
@@ -161,7 +204,7 @@ def training_worker(cases, steps=20, max_norm=0.5) -> dict:
         if rank not in members or members != members_wanted:
             continue
         dtype = getattr(torch, dtype_name)
-        dense = make_tiny_model(family, dtype=dtype).train()
+        dense = tiny(family, dtype=dtype).train()
         sharded = parallelize(copy.deepcopy(dense), tp_group=group)
         ref_loss, ref_norm = _dense_curve(dense, steps, ids, max_norm)
         tp_loss, tp_norm = _tp_curve(sharded, steps, ids, max_norm)
@@ -176,11 +219,69 @@ SENTENCES = ["The cat sits on the mat.",
              "hello", "Ein Satz auf Deutsch, mit Umlauten: äöü."]
 
 
-def _checkpoint_case(family, path, group) -> dict:
-    from transformers import AutoModelForCausalLM
+class _ReadLog:
+    """Stands in for ``safetensors.safe_open`` and records every read, independently of the
+    loader's own ``bytes_read``: the elements of each ``get_slice(k)[index]`` and each
+    ``get_tensor(k)`` (a whole tensor: never wanted)."""
+
+    def __init__(self, real):
+        self.real, self.slices, self.tensors = real, [], []
+
+    def __call__(self, *args, **kwargs):
+        log, f = self, self.real(*args, **kwargs)
+
+        class Slice:
+            def __init__(self, sl, key):
+                self.sl, self.key = sl, key
+
+            def get_shape(self):
+                return self.sl.get_shape()
+
+            def get_dtype(self):
+                return self.sl.get_dtype()
+
+            def __getitem__(self, index):
+                t = self.sl[index]
+                log.slices.append((self.key, t.numel()))
+                return t
+
+        class File:
+            def __enter__(self):
+                f.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return f.__exit__(*exc)
+
+            def keys(self):
+                return f.keys()
+
+            def get_slice(self, key):
+                return Slice(f.get_slice(key), key)
+
+            def get_tensor(self, key):
+                t = f.get_tensor(key)
+                log.tensors.append((key, t.numel()))
+                return t
+        return File()
+
+
+def _load_logged(path, group):
+    import safetensors
 
     from tensorpar.models.checkpoint import load_sharded
-    model, report = load_sharded(path, tp_group=group)
+    log, real = _ReadLog(safetensors.safe_open), safetensors.safe_open
+    safetensors.safe_open = log
+    try:
+        model, report = load_sharded(path, tp_group=group)
+    finally:
+        safetensors.safe_open = real
+    return model, report, log
+
+
+def _checkpoint_case(family, path, group) -> dict:
+    from transformers import AutoModelForCausalLM
+    model, report, log = _load_logged(path, group)
     in_memory = parallelize(make_tiny_model(family, dtype=torch.float32), tp_group=group)
     a, b = model.state_dict(), in_memory.state_dict()
     dense = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -188,13 +289,29 @@ def _checkpoint_case(family, path, group) -> dict:
     with torch.no_grad():
         rel = _rel(model(input_ids=ids).logits, dense(input_ids=ids).logits)
     return {"same_shards": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
-            "logits_rel": rel, "report": report.to_dict()}
+            "logits_rel": rel, "report": report.to_dict(), "elements_read": sum(n for _, n in log.slices),
+            "get_tensor_calls": len(log.tensors), "held": sum(p.numel() for p in model.parameters()),
+            "tp_rank": dist.get_rank(group), "files": sorted(p.name for p in Path(path).iterdir())}
 
 
 def _minilm_result(model, emb, dense_emb, report) -> dict:
     return {"max_abs": float((emb - dense_emb).abs().max()), "report": report.to_dict(),
             "per_rank": model.tp_report.params_per_rank, "total": model.tp_report.params_total,
             "norms": emb.norm(dim=1).tolist()}
+
+
+def _sequential_case(group) -> dict:
+    """``"auto"`` on a bare nn.Sequential(Linear, ReLU, Linear): output and input gradient."""
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
+    x = torch.randn(3, 8, dtype=torch.float64)
+    model = parallelize(copy.deepcopy(dense), tp_group=group, example_inputs=x)
+    x_tp, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_tp, y_ref = model(x_tp), dense(x_ref)
+    (y_tp * y_ref.detach()).sum().backward()  # a non-uniform output gradient
+    (y_ref * y_ref.detach()).sum().backward()
+    return {"rel": _rel(y_tp.detach(), y_ref.detach()), "grad_rel": _rel(x_tp.grad, x_ref.grad),
+            "styles": model.tp_report.styles, "types": [type(m).__name__ for m in model]}
 
 
 def _discovered_case(group) -> dict:
@@ -204,7 +321,7 @@ def _discovered_case(group) -> dict:
     with torch.no_grad():
         rel = _rel(model(ids), dense(ids))
     return {"rel": rel, "styles": model.tp_report.styles, "notes": model.tp_report.notes,
-            "source": model.tp_report.source}
+            "source": model.tp_report.source, "sequential": _sequential_case(group)}
 
 
 def checkpoint_worker(tiny_dirs: dict) -> dict:

@@ -1,7 +1,8 @@
 """Loading safetensors checkpoints shard by shard, all-MiniLM-L6-v2, and the discovered plan.
 
-One launch of 4 ranks (tests/_models_launch.py): tiny float32 checkpoints (llama: GQA, untied head; gpt2: Conv1D, tied)
-at tp 2, 3 (gpt2) and 4; the real all-MiniLM-L6-v2 weights at tp 2, 3 and 4 (vocabulary 30522,
+One launch of 4 ranks (tests/_models_launch.py): tiny float32 checkpoints (llama: GQA, untied
+head, split over many files with an index; gpt2: Conv1D, tied, one file) at tp 2, 3 (gpt2) and
+4, each read through a wrapped ``safetensors.safe_open`` that logs every read; the real all-MiniLM-L6-v2 weights at tp 2, 3 and 4 (vocabulary 30522,
 padded at tp 4); a model no plan knows under plan="auto". Bad checkpoint directories are
 checked in this process: they fail before any process group is needed.
 
@@ -47,6 +48,25 @@ def test_checkpoint_shards_equal_in_memory_shards(results, family, tp):
         rep = run["report"]
         assert rep["bytes_read"] <= rep["shard_bytes"]  # only this rank's slices were read
         assert rep["bytes_read"] < rep["checkpoint_bytes"] / tp * 1.5
+        if family in _models_launch.SHARDED:
+            shards = [f for f in run["files"] if f.endswith(".safetensors")]
+            assert "model.safetensors.index.json" in run["files"] and len(shards) > 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family, tp", [(f, tp) for f in TINY for tp in (2, 3, 4)
+                                        if not (tp == 3 and f in W.TP3_DOES_NOT_FIT)])
+def test_each_rank_reads_exactly_its_slices(results, family, tp):
+    """Counted by the wrapped safe_open, not by the loader: no whole-tensor read, and the
+    elements read are the elements this rank holds but the vocabulary padding rows (zeros,
+    never read): ``ceil(V/tp)`` rows per rank, of which rank r owns ``min((r+1)*per, V) - r*per``."""
+    per = -(-W.VOCAB // tp)
+    vocab_matrices = {"llama": 2, "gpt2": 1}[family]  # gpt2's head is tied to its embedding
+    for run in results[("ckpt", family, tp)]:
+        r = run["tp_rank"]
+        padding = (per - (min((r + 1) * per, W.VOCAB) - r * per)) * 48 * vocab_matrices
+        assert run["get_tensor_calls"] == 0
+        assert run["elements_read"] == run["held"] - padding, (r, run["elements_read"], run["held"])
 
 
 @pytest.mark.multirank
@@ -82,6 +102,10 @@ def test_discovered_plan_pairs_checked_linears_and_equals_dense(results, tp):
                                  "blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
                                  "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
         assert any(n.startswith("not paired in extra") for n in run["notes"])
+        seq = run["sequential"]  # nn.Sequential(Linear, ReLU, Linear) found and split
+        assert seq["styles"] == {"0": "colwise", "2": "rowwise"}
+        assert seq["types"] == ["ColumnParallelLinear", "ReLU", "RowParallelLinear"]
+        assert seq["rel"] <= 1e-12 and seq["grad_rel"] <= 1e-12, seq
 
 
 # ---- bad checkpoint directories (no ranks needed: they fail first) ------------------------------
@@ -138,6 +162,56 @@ def test_index_naming_a_missing_file(tiny_dirs, tmp_path):
     index = {"weight_map": {k: "model-00001-of-00002.safetensors" for k in keys}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="index names files that are missing"):
+        load_sharded(d)
+
+
+def test_bfloat16_checkpoint_at_tp_1_equals_from_pretrained_bit_for_bit(tmp_path):
+    """No cast of float32 buffers (rotary inv_freq): the same function as transformers' own load."""
+    from transformers import AutoModelForCausalLM
+    d = make_tiny_checkpoint(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    model, _ = load_sharded(d)  # no process group: tp 1
+    dense = AutoModelForCausalLM.from_pretrained(d).eval()
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert {b.dtype for b in model.buffers()} == {b.dtype for b in dense.buffers()} == {torch.float32}
+    ids = torch.randint(2, W.VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, dense(input_ids=ids).logits)
+
+
+def _index_of(d, weight_map):
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_bad_index(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["gpt2"], tmp_path / "nomap")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json has no 'weight_map' .*found \['metadata'\]"):
+        load_sharded(d)
+    (d / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not valid JSON"):
+        load_sharded(d)
+    keys = sorted(load_file(d / "model.safetensors"))
+    save_file({"x": torch.zeros(1)}, d / "other.safetensors", metadata={"format": "pt"})
+    _index_of(d, {**{k: "model.safetensors" for k in keys}, keys[0]: "other.safetensors"})
+    with pytest.raises(ValueError, match=rf"1 tensors are not in the file the index names.*{keys[0]} \(index: other"):
+        load_sharded(d)
+
+
+def test_truncated_weights_file(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "cut")
+    raw = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match=r"cut/model.safetensors is not a readable safetensors file"):
+        load_sharded(d)
+
+
+def test_integer_tensor_where_a_float_is_expected(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "int8")
+    tensors = load_file(d / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight"
+    tensors[key] = tensors[key].to(torch.int8)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"int8/model.safetensors: tensor '{key}' is stored as I8, not as a float; valid: F64, F32, F16, BF16"):
         load_sharded(d)
 
 

@@ -13,11 +13,13 @@ from tensorpar.apply import parallelize
 from tensorpar.models import discover
 from tensorpar.models.feasibility import check_feasibility
 from tensorpar.models.generation import generate
-from tensorpar.models.plans import Dims, compile_plan, match_style
+from tensorpar.models.plans import FAMILY_PLANS, Dims, compile_plan, match_style
 from tensorpar.models.styles import ShardSpec
 from tensorpar.models.testing import make_tiny_config, make_tiny_model
 from tensorpar.models.training import clip_grad_norm_
+from tensorpar.nn import ColumnParallelLinear
 from tests import _models_workers as W
+from tests.test_models_parallelize import expected_params_per_rank
 
 
 # ---- feasibility ----------------------------------------------------------------------------------
@@ -89,18 +91,21 @@ def test_bad_plans_raise_and_leave_the_model_unchanged():
     _fails_unchanged(model, "plan 'gpt2' does not fit this model", plan="gpt2")
     _fails_unchanged(model, r"plan patterns \['nope'\] match no module",
                      plan={"layers.*.mlp.up_proj": "colwise", "nope": "rowwise"})
-    # the first entry builds fine; the second fails: the first must not have been applied
-    _fails_unchanged(model, "needs Linear but module 'model.layers.0.input_layernorm' is LlamaRMSNorm",
-                     plan={"layers.*.mlp.up_proj": "colwise", "layers.*.input_layernorm": "rowwise"})
-    _fails_unchanged(model, "needs a family plan and an enclosing 'attention' module",
+    # the MLP entries build fine; the last fails: none of them must have been applied
+    mlp = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+           "layers.*.mlp.down_proj": "rowwise"}
+    _fails_unchanged(model, "needs Embedding but module 'model.norm' is LlamaRMSNorm",
+                     plan={**mlp, "norm": "vocab"})
+    _fails_unchanged(model, r"colwise_kv 'model.layers.0.self_attn.k_proj' has no rowwise partner in "
+                     r"'model.layers.0.self_attn'.*'layers.\*.self_attn': 'attention' \(plan: 'replicate'\)",
                      plan={"layers.*.self_attn.k_proj": "colwise_kv"})
 
 
 def test_head_styles_need_a_family_and_an_attention_module():
     _fails_unchanged(nn.Sequential(nn.Linear(4, 4)), "need the head counts of a known family",
                      plan={"0": "colwise_kv"})
-    _fails_unchanged(make_tiny_model("gpt2"), "'conv1d_qkv' .* needs an enclosing 'attention' module",
-                     plan={"h.*.attn.c_attn": "conv1d_qkv"})
+    _fails_unchanged(make_tiny_model("gpt2"), r"missing or different: 'h.\*.attn': 'attention'",
+                     plan={"h.*.attn.c_attn": "conv1d_qkv", "h.*.attn.c_proj": "conv1d_rowwise"})
 
 
 def test_tied_parameters_need_matching_styles():
@@ -122,9 +127,93 @@ def test_parallelize_twice_is_an_error():
     assert model.tp_report.params_per_rank == model.tp_report.params_total
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model)
+    model = make_tiny_model("llama")
+    parallelize(model.model)
+    with pytest.raises(ValueError, match=r"already parallelized \(its submodule 'model' has a tp_report\)"):
+        parallelize(model)
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    seq[0] = ColumnParallelLinear.from_dense(seq[0])
+    _fails_unchanged(seq, r"already parallelized \(its submodule '0' is a ColumnParallelLinear\)",
+                     example_inputs=torch.ones(2, 4))
+
+
+# ---- plans that would compute another function, or fail mid-forward ---------------------------
+
+def test_attention_split_needs_the_whole_attention_block():
+    """q split alone mixes up heads silently (the reviewer measured logits off by 0.39 at tp 2)."""
+    model = make_tiny_model("llama")
+    _fails_unchanged(model, r"plan splits \['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.o_proj'\] "
+                     r"but not the whole llama attention block 'model.layers.0.self_attn'.*missing or different: "
+                     r"'layers.\*.self_attn': 'attention' \(plan: 'replicate'\), 'layers.\*.self_attn.k_proj': "
+                     r"'colwise_kv' \(plan: 'replicate'\), 'layers.\*.self_attn.v_proj'",
+                     plan={"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"})
+    _fails_unchanged(model, r"missing or different: 'layers.\*.self_attn.q_proj': 'colwise'",
+                     plan={"layers.*.self_attn": "attention"})
+    _fails_unchanged(make_tiny_model("gpt2"), r"'h.\*.attn.c_proj': 'conv1d_rowwise' \(plan: 'replicate'\)",
+                     plan={"h.*.attn": "attention", "h.*.attn.c_attn": "conv1d_qkv"})
+    # plain colwise on K/V is the same split as colwise_kv when tp divides the KV heads (tp 1)
+    attn = {f"layers.*.self_attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")}
+    plan = {"layers.*.self_attn": "attention", **attn, "layers.*.self_attn.o_proj": "rowwise"}
+    assert parallelize(make_tiny_model("llama"), plan=plan).tp_report.source == "user"
+
+
+def test_a_column_split_needs_its_row_partner():
+    model = make_tiny_model("llama")
+    _fails_unchanged(model, r"colwise 'model.layers.0.mlp.gate_proj' has no rowwise partner in "
+                     r"'model.layers.0.mlp'; add one or use 'replicate'.*'layers.\*.mlp.down_proj': 'rowwise'",
+                     plan={"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.gate_proj": "colwise"})
+    _fails_unchanged(model, r"missing or different: 'layers.\*.mlp.gate_proj': 'colwise'",
+                     plan={"layers.*.mlp": "mlp", "layers.*.mlp.up_proj": "colwise",
+                           "layers.*.mlp.down_proj": "rowwise"})
+    bert = make_tiny_model("bert")  # the row partner sits outside the module of the column linear
+    _fails_unchanged(bert, r"colwise 'bert.encoder.layer.0.intermediate.dense' has no rowwise partner",
+                     plan={"encoder.layer.*.intermediate.dense": "colwise"})
+    ok = {"encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise"}
+    assert parallelize(bert, plan=ok).tp_report.styles["bert.encoder.layer.1.output.dense"] == "rowwise"
+
+
+def test_unknown_models_pair_siblings():
+    def seq():
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    _fails_unchanged(seq(), r"colwise '0' has no rowwise partner in '<model>'; add one or use 'replicate'",
+                     plan={"0": "colwise"})
+    _fails_unchanged(seq(), r"rowwise '2' has no colwise partner in '<model>'", plan={"2": "rowwise"})
+    block = nn.Sequential(nn.Sequential(*seq(), nn.Linear(4, 4)))  # a linear after the pair
+    _fails_unchanged(block, r"region style 'mlp' on '0' needs every linear inside it split.*\['0.3'\]",
+                     plan={"0": "mlp", "0.0": "colwise", "0.2": "rowwise"})
+    model = parallelize(seq(), plan={"0": "colwise", "2": "rowwise"})
+    assert [type(m).__name__ for m in model] == ["ColumnParallelLinear", "ReLU", "RowParallelLinear"]
+
+
+def test_family_plans_pass_their_own_checks():
+    for family in W.FAMILIES:
+        plan = FAMILY_PLANS[family].styles
+        assert parallelize(make_tiny_model(family), plan=dict(plan)).tp_report.source == "user"
+
+
+def test_closed_form_parameter_count_at_tp_1_is_the_dense_count():
+    """The formula the multi-rank tests check each rank against, checked here at tp 1."""
+    for name in (*W.FAMILIES, *W.VARIANTS):
+        model = W.tiny(name)
+        family = W.VARIANTS.get(name, (name,))[0]
+        assert expected_params_per_rank(model.config, family, 1) == sum(p.numel() for p in model.parameters())
 
 
 # ---- the checked auto-pairing --------------------------------------------------------------------
+
+def test_example_inputs_that_do_not_fit_the_model():
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    _fails_unchanged(seq, r"example_inputs do not run through Sequential: RuntimeError: mat1 and mat2",
+                     example_inputs=torch.ones(2, 5))
+
+
+def test_find_pairs_restores_each_modules_own_mode():
+    model = W.Toy().double().train()
+    model.blocks[1].eval()  # a module in eval mode inside a model in train mode
+    before = [m.training for m in model.modules()]
+    ids = torch.randint(0, W.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    discover.find_pairs(model, 2, (ids,))
+    assert [m.training for m in model.modules()] == before
 
 def test_find_pairs_checks_each_candidate():
     ids = torch.randint(0, W.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))

@@ -57,7 +57,7 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     files, config = _check_dir(path), _read_config(path)
     dtype = _pick_dtype(dtype, config)
     meta = _tensor_index(files)
-    model = _meta_model(config, model_class, dtype)
+    model = _meta_model(config, model_class)
     rename = _check_tensors(model, meta, path)
     parallelize(model, plan, tp_group=tp_group)
     memory = _Memory()
@@ -82,7 +82,7 @@ def _check_dir(path: Path) -> dict:
                          f"{sorted(p.name for p in path.iterdir())}")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_index(index)
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise ValueError(f"checkpoint {str(path)!r}: index names files that are missing: {missing}")
@@ -92,6 +92,21 @@ def _check_dir(path: Path) -> dict:
         raise ValueError(f"checkpoint directory {str(path)!r} has neither model.safetensors nor "
                          f"model.safetensors.index.json; found {sorted(p.name for p in path.iterdir())}")
     return {None: single}
+
+
+def _read_index(index: Path) -> dict:
+    """The ``weight_map`` (tensor name -> file name) of a sharded checkpoint's index."""
+    try:
+        data = json.loads(index.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{index} is not valid JSON: {exc}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(f, str) for f in weight_map.values()):
+        found = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{index} has no 'weight_map' (a non-empty object of tensor name -> file "
+                         f"name); found {found}")
+    return weight_map
 
 
 def _read_config(path: Path):
@@ -115,15 +130,16 @@ def _pick_dtype(dtype, config):
     return stored if isinstance(stored, torch.dtype) else torch.float32
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8,
+                "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+FLOAT_KINDS = ("F64", "F32", "F16", "BF16")  # what a floating parameter may be stored as
 
 
-def _tensor_index(files: dict) -> dict:
-    """``{tensor_name: (file, shape, dtype, nbytes)}`` from the headers only (no data read)."""
-    from safetensors import safe_open
+def _file_header(file: Path) -> dict:
+    """``{tensor_name: (file, shape, dtype, nbytes)}`` of one file, from its header only."""
+    from safetensors import SafetensorError, safe_open
     out = {}
-    for file in sorted(set(files.values())):
+    try:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
@@ -131,14 +147,30 @@ def _tensor_index(files: dict) -> dict:
                 n = 1
                 for d in shape:
                     n *= d
-                out[key] = (file, shape, kind, n * _DTYPE_BYTES.get(kind, 4))
-    if None not in files:
-        out = {k: v for k, v in out.items() if k in files}
+                out[key] = (file, shape, kind, n * _DTYPE_BYTES.get(kind, 1))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
     return out
 
 
-def _meta_model(config, model_class, dtype) -> nn.Module:
-    """The model with its parameters on the meta device (buffers real), tied as the config says."""
+def _tensor_index(files: dict) -> dict:
+    """``{tensor_name: (file, shape, dtype, nbytes)}`` from the headers only (no data read);
+    with an index, each tensor must be in the file the index names."""
+    headers = {file: _file_header(file) for file in sorted(set(files.values()))}
+    if None in files:
+        return headers[files[None]]
+    absent = [f"{k} (index: {f.name})" for k, f in files.items() if k not in headers[f]]
+    if absent:
+        raise ValueError(f"{len(absent)} tensors are not in the file the index names, e.g. {absent[:3]}")
+    return {k: headers[f][k] for k, f in files.items()}
+
+
+def _meta_model(config, model_class) -> nn.Module:
+    """The model with its parameters on the meta device (buffers real), tied as the config says.
+
+    No ``.to(dtype)``: the parameters are allocated in ``dtype`` when read, and a cast here
+    would also cast float32 buffers such as rotary ``inv_freq`` (which ``from_pretrained``
+    keeps in float32), so a bfloat16 checkpoint would compute another function."""
     import transformers
     from accelerate import init_empty_weights
     if model_class is None:
@@ -147,7 +179,6 @@ def _meta_model(config, model_class, dtype) -> nn.Module:
         model_class = model_class or transformers.AutoModel.from_config
     with init_empty_weights():
         model = model_class(config) if isinstance(model_class, type) else model_class(config)
-    model = model.to(dtype)
     if getattr(config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
     return model.eval()
@@ -186,7 +217,11 @@ def _check_tensors(model, meta: dict, path: Path):
         if key is None:
             missing.append(names[0])
             continue
-        found = meta[key][1]
+        file, found, kind, _ = meta[key]
+        if shapes[names[0]].is_floating_point() and kind not in FLOAT_KINDS:
+            raise ValueError(f"{file}: tensor {key!r} is stored as {kind}, not as a float; valid: "
+                             f"{', '.join(FLOAT_KINDS)} (quantized or integer checkpoints are not "
+                             f"supported)")
         if found != tuple(shapes[names[0]].shape):
             wrong.append(f"{key}: checkpoint {found}, model {tuple(shapes[names[0]].shape)}")
     if missing:

@@ -69,6 +69,10 @@ def _record_calls(model: nn.Module, example_inputs) -> tuple[dict, list]:
     try:
         with torch.no_grad():
             call_model(model, example_inputs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"example_inputs do not run through {type(model).__name__}: "
+                         f"{type(exc).__name__}: {exc}; pass what its forward accepts (a tensor, "
+                         f"a tuple of positional arguments or a dict of keyword arguments)") from None
     finally:
         for h in handles:
             h.remove()
@@ -136,7 +140,7 @@ def _tolerance(model) -> float:
 
 def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
     """``{linear_name: "colwise"|"rowwise"}`` for every checked pair, and the notes."""
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}  # each module's own mode, restored after
     model.eval()  # dropout off: the dense and shard runs must see the same function
     try:
         calls, log = _record_calls(model, example_inputs)
@@ -159,7 +163,8 @@ def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
                 notes.append(f"not paired in {where}: {', '.join(a_names)} -> {b_name} ({why}); replicated")
         return styles, notes
     finally:
-        model.train(was_training)
+        for m, training in modes.items():
+            m.training = training
 
 
 def find_vocab(model, assigned: dict) -> tuple[dict, list[str]]:

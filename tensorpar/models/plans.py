@@ -23,6 +23,10 @@ Styles (the partition of each, Megatron-LM sec. 3; row-vector convention ``Y = X
   backward shared by q, k and v); its colwise children then skip their own input copy.
 - ``mlp``: the same region entry for an MLP whose gate and up projections share the input.
 - ``replicate``: left whole on every rank (the default for anything a plan does not name).
+
+Each family plan is built from its :class:`Unit` s (an attention block, an MLP: modules that
+split together or not at all) plus the vocabulary entries; ``tensorpar.models.plan_checks``
+holds a user's plan to the same units.
 """
 from __future__ import annotations
 
@@ -33,58 +37,77 @@ STYLES = ("colwise", "rowwise", "colwise_kv", "conv1d_colwise", "conv1d_rowwise"
           "vocab", "vocab_head", "attention", "mlp", "replicate")
 REGION_STYLES = ("attention", "mlp")
 
-_DECODER = {
-    "embed_tokens": "vocab",
-    "layers.*.self_attn": "attention",
-    "layers.*.self_attn.q_proj": "colwise",
-    "layers.*.self_attn.k_proj": "colwise_kv",
-    "layers.*.self_attn.v_proj": "colwise_kv",
-    "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp": "mlp",
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "vocab_head",
-}
+def _join(anchor: str, suffix: str) -> str:
+    return f"{anchor}.{suffix}" if suffix else anchor
 
-_GPT2 = {
-    "wte": "vocab",
-    "h.*.attn": "attention",
-    "h.*.attn.c_attn": "conv1d_qkv",
-    "h.*.attn.c_proj": "conv1d_rowwise",
-    "h.*.mlp.c_fc": "conv1d_colwise",
-    "h.*.mlp.c_proj": "conv1d_rowwise",
-    "lm_head": "vocab_head",
-}
 
-_BERT = {
-    "embeddings.word_embeddings": "vocab",
-    "encoder.layer.*.attention.self": "attention",
-    "encoder.layer.*.attention.self.query": "colwise",
-    "encoder.layer.*.attention.self.key": "colwise",
-    "encoder.layer.*.attention.self.value": "colwise",
-    "encoder.layer.*.attention.output.dense": "rowwise",
-    "encoder.layer.*.intermediate.dense": "colwise",
-    "encoder.layer.*.output.dense": "rowwise",
-    "cls.predictions.decoder": "vocab_head",
-}
+@dataclass(frozen=True)
+class Unit:
+    """Modules a plan must split together, or not at all.
+
+    Once a plan shards any module of the unit, every ``members`` entry needs its style: a
+    column split without its row partner leaves a sharded activation where a whole one is
+    expected, and q split without k, v and the per-rank head counts computes another function
+    (heads mixed up) without any error. Names are ``anchor`` + ``.`` + suffix (``""``: the
+    anchor itself). ``optional`` entries may be left out: the MLP region entry saves one
+    all-reduce of dX in backward but changes no result.
+    """
+    kind: str  # "attention" or "mlp"
+    anchor: str
+    members: tuple  # ((suffix, style), ...)
+    optional: tuple = ()
+
+    def entries(self) -> list[tuple[str, str]]:
+        """``[(pattern, style)]``: the unit's plan entries, optional ones first."""
+        return [(_join(self.anchor, sfx), style) for sfx, style in self.optional + self.members]
+
+
+def _plan(first: dict, units: tuple, last: dict) -> dict:
+    return {**first, **{pat: style for u in units for pat, style in u.entries()}, **last}
+
+
+_DECODER_UNITS = (
+    Unit("attention", "layers.*.self_attn", (("", "attention"), ("q_proj", "colwise"),
+         ("k_proj", "colwise_kv"), ("v_proj", "colwise_kv"), ("o_proj", "rowwise"))),
+    Unit("mlp", "layers.*.mlp", (("gate_proj", "colwise"), ("up_proj", "colwise"),
+         ("down_proj", "rowwise")), optional=(("", "mlp"),)),
+)
+_GPT2_UNITS = (
+    Unit("attention", "h.*.attn", (("", "attention"), ("c_attn", "conv1d_qkv"),
+         ("c_proj", "conv1d_rowwise"))),
+    Unit("mlp", "h.*.mlp", (("c_fc", "conv1d_colwise"), ("c_proj", "conv1d_rowwise"))),
+)
+# BERT's row partners sit outside the module that holds the column linears:
+# attention.self.{query,key,value} -> attention.output.dense, intermediate.dense -> output.dense.
+_BERT_UNITS = (
+    Unit("attention", "encoder.layer.*.attention", (("self", "attention"), ("self.query", "colwise"),
+         ("self.key", "colwise"), ("self.value", "colwise"), ("output.dense", "rowwise"))),
+    Unit("mlp", "encoder.layer.*", (("intermediate.dense", "colwise"), ("output.dense", "rowwise"))),
+)
+
+_DECODER = _plan({"embed_tokens": "vocab"}, _DECODER_UNITS, {"lm_head": "vocab_head"})
+_GPT2 = _plan({"wte": "vocab"}, _GPT2_UNITS, {"lm_head": "vocab_head"})
+_BERT = _plan({"embeddings.word_embeddings": "vocab"}, _BERT_UNITS,
+              {"cls.predictions.decoder": "vocab_head"})
 
 
 @dataclass(frozen=True)
 class FamilyPlan:
-    """A family's plan: ``styles`` (pattern -> style) and the attention attributes that hold
-    per-rank head counts (rewritten on every ``attention`` module)."""
+    """A family's plan: ``styles`` (pattern -> style), the attention attributes that hold
+    per-rank head counts (rewritten on every ``attention`` module), and the :class:`Unit` s a
+    user plan must take whole."""
     family: str
     styles: dict
     head_attrs: tuple
+    units: tuple = ()
 
 
 FAMILY_PLANS = {
-    "llama": FamilyPlan("llama", _DECODER, ("num_key_value_groups",)),
-    "mistral": FamilyPlan("mistral", _DECODER, ("num_key_value_groups",)),
-    "qwen2": FamilyPlan("qwen2", _DECODER, ("num_key_value_groups",)),
-    "gpt2": FamilyPlan("gpt2", _GPT2, ("num_heads", "split_size")),
-    "bert": FamilyPlan("bert", _BERT, ("num_attention_heads", "all_head_size")),
+    "llama": FamilyPlan("llama", _DECODER, ("num_key_value_groups",), _DECODER_UNITS),
+    "mistral": FamilyPlan("mistral", _DECODER, ("num_key_value_groups",), _DECODER_UNITS),
+    "qwen2": FamilyPlan("qwen2", _DECODER, ("num_key_value_groups",), _DECODER_UNITS),
+    "gpt2": FamilyPlan("gpt2", _GPT2, ("num_heads", "split_size"), _GPT2_UNITS),
+    "bert": FamilyPlan("bert", _BERT, ("num_attention_heads", "all_head_size"), _BERT_UNITS),
 }
 FAMILIES = tuple(FAMILY_PLANS)
 

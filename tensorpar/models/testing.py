@@ -73,10 +73,12 @@ def make_tiny_model(family: str, *, seed: int = 0, dtype=torch.float64, head: bo
 
 
 def make_tiny_checkpoint(directory, family: str = "llama", *, seed: int = 0,
-                         dtype=torch.float32, head: bool = True, **sizes) -> Path:
+                         dtype=torch.float32, head: bool = True, max_shard_size=None, **sizes) -> Path:
     """Save a random :func:`make_tiny_model` as a safetensors checkpoint in ``directory``.
 
-    ``make_tiny_checkpoint(d, "llama", **BENCH_LLAMA)`` writes the benchmark's ~25M model.
+    ``max_shard_size`` (e.g. ``"20KB"``): split the weights over several files with a
+    ``model.safetensors.index.json``, as large checkpoints are. ``make_tiny_checkpoint(d,
+    "llama", **BENCH_LLAMA)`` writes the benchmark's ~25M model.
     """
     from transformers.utils import logging as hf_logging
     model = make_tiny_model(family, seed=seed, dtype=dtype, head=head, **sizes)
@@ -85,7 +87,8 @@ def make_tiny_checkpoint(directory, family: str = "llama", *, seed: int = 0,
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # library code does not print
     try:
-        model.save_pretrained(path, safe_serialization=True)
+        extra = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(path, safe_serialization=True, **extra)
     finally:
         if bar:
             hf_logging.enable_progress_bar()

@@ -1,0 +1,118 @@
+"""Checks that a plan computes the model's function, run before any module is built.
+
+A plan assigns styles module by module, and some assignments build fine and then fail in the
+middle of a forward pass or, worse, compute another function without any error:
+
+- a column split whose sharded output ``(..., out/p)`` never reaches a row split: the next
+  layer gets ``out/p`` features where it expects ``out`` (shape error mid-forward);
+- a row split whose input is whole: ``in`` features where it expects ``in/p``;
+- q split by heads without k, v and the per-rank head counts: query heads meet the wrong KV
+  heads (wrong numbers, no error);
+- a region entry (``attention``/``mlp``) over linears left whole: dX is all-reduced over ranks
+  that each computed all of it (the input gradient comes out ``tp`` times too large).
+
+The MLP and attention split (Megatron-LM, Shoeybi et al. 2019, sec. 3) is ``Y = sum_i f(X A_i)
+B_i``: the column blocks ``A_i`` and row blocks ``B_i`` belong together. For a known family the
+plan's :class:`~tensorpar.models.plans.Unit` s say which modules split together (in BERT the
+row partner sits outside the module holding the column linears); for any other module a
+column split needs a row split among its siblings and the other way round. The discovered
+plan (``"auto"`` on an unknown model) does not come here: each of its pairs was checked
+numerically.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from tensorpar.models.plans import FAMILY_PLANS, REGION_STYLES, compile_plan, match_style
+
+COLUMN = ("colwise", "conv1d_colwise", "colwise_kv", "conv1d_qkv")
+ROW = ("rowwise", "conv1d_rowwise")
+
+
+def _join(name: str, suffix: str) -> str:
+    return f"{name}.{suffix}" if suffix else name
+
+
+def _rel_names(model, prefix):
+    """``(name, name inside the base model or None)`` of every named submodule."""
+    for name, _ in model.named_modules():
+        if name:
+            yield name, (name[len(prefix):] if prefix and name.startswith(prefix) else None)
+
+
+def _same(got, want, dims, tp_size) -> bool:
+    # K/V split plainly by columns is the same split as colwise_kv when tp divides the KV heads
+    kv_even = dims is not None and dims.n_kv_heads % tp_size == 0
+    return got == want or (want == "colwise_kv" and got == "colwise" and kv_even)
+
+
+def _unit_message(family, unit, inst, got, bad) -> str:
+    want = ", ".join(f"{_join(unit.anchor, s)!r}: {st!r}" for s, st in unit.members)
+    off = ", ".join(f"{_join(unit.anchor, s)!r}: {st!r} (plan: {got[s] or 'replicate'!r})" for s, st in bad)
+    cols = [s for s, st in got.items() if st in COLUMN]
+    if cols and not any(st in ROW for st in got.values()):
+        lead = (f"{got[cols[0]]} {_join(inst, cols[0])!r} has no rowwise partner in {inst!r}; "
+                f"add one or use 'replicate'")
+    else:
+        split = [_join(inst, s) for s, st in got.items() if st]
+        lead = (f"plan splits {split} but not the whole {family} {unit.kind} block {inst!r} "
+                f"(the rest would stay whole and the block would compute another function)")
+    return f"{lead}; a {family} {unit.kind} split needs all of {{{want}}}; missing or different: {off}"
+
+
+def _check_units(model, assigned, family, dims, tp_size, prefix) -> set:
+    """Every family unit a plan touches is split whole; returns the names the units cover."""
+    covered = set()
+    for unit in FAMILY_PLANS[family].units:
+        anchor = compile_plan({unit.anchor: "replicate"})
+        for name, rel in _rel_names(model, prefix):
+            if match_style(anchor, (name, rel)) is None:
+                continue
+            got = {s: assigned.get(_join(name, s)) for s, _ in unit.optional + unit.members}
+            covered.update(_join(name, s) for s in got)
+            if not any(got.values()):
+                continue
+            bad = [(s, st) for s, st in unit.members if not _same(got[s], st, dims, tp_size)]
+            bad += [(s, st) for s, st in unit.optional if got[s] not in (None, st)]
+            if bad:
+                raise ValueError(_unit_message(family, unit, name, got, bad))
+    return covered
+
+
+def _check_partners(assigned, covered) -> None:
+    """A column split outside the family units needs a row split among its siblings, and back."""
+    free = {n: s for n, s in assigned.items() if n not in covered}
+    for name, style in free.items():
+        parent = name.rpartition(".")[0]
+        siblings = [s for n, s in free.items() if n != name and n.rpartition(".")[0] == parent]
+        where = parent or "<model>"
+        if style in COLUMN and not any(s in ROW for s in siblings):
+            raise ValueError(f"{style} {name!r} has no rowwise partner in {where!r}; add one or use "
+                             f"'replicate' (its output would stay split: 1/tp of the features)")
+        if style in ROW and not any(s in COLUMN for s in siblings):
+            raise ValueError(f"{style} {name!r} has no colwise partner in {where!r}; add one or use "
+                             f"'replicate' (it expects its input split: 1/tp of the features)")
+
+
+def _is_linear(module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _check_regions(model, assigned, covered) -> None:
+    """A region entry outside the family units needs every linear inside it split."""
+    for name, style in assigned.items():
+        if style not in REGION_STYLES or name in covered:
+            continue
+        inside = [f"{name}.{n}" for n, m in model.get_submodule(name).named_modules() if n and _is_linear(m)]
+        whole = [n for n in inside if assigned.get(n) not in COLUMN + ROW]
+        if whole or not inside:
+            raise ValueError(f"region style {style!r} on {name!r} needs every linear inside it split "
+                             f"(its input gradient is all-reduced over the ranks); left whole: "
+                             f"{whole or 'no linear found'}; split them or drop the {style!r} entry")
+
+
+def check_plan(model, assigned: dict, family, dims, tp_size: int, prefix) -> None:
+    """ValueError when ``assigned`` (module name -> style) would not compute ``model``'s function."""
+    covered = _check_units(model, assigned, family, dims, tp_size, prefix) if family else set()
+    _check_partners(assigned, covered)
+    _check_regions(model, assigned, covered)
