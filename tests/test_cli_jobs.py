@@ -31,15 +31,16 @@ def test_verify_json_agrees_at_every_layer(checkpoints):
     assert out["ok"] and [c["tp"] for c in out["checks"]] == [2, 4]
     for c in out["checks"]:
         names = [lay["name"] for lay in c["layers"]]
-        assert names == ["embeddings", "block 0", "block 1"]
+        assert names == ["embeddings", "block 0", "block 1", "rest (final norm, head)", "loss"]
         for lay in c["layers"]:
-            assert max(lay["activation_rel"], lay["activation_grad_rel"], lay["param_grad_norm_rel"]) <= 1e-5
+            assert max(lay["activation_rel"], lay["activation_grad_rel"], lay["param_grad_rel"]) <= 1e-5
         assert c["first_divergence"] is None
         assert abs(c["loss_split"] - c["loss_dense"]) <= 1e-5 * abs(c["loss_dense"])
 
 
-def test_verify_names_the_first_diverging_layer(checkpoints):
-    r = tensorpar("verify", "--model", str(checkpoints["gpt2"]), "--tp", "2", "--inject-fault", "1", "--json")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_verify_names_the_first_diverging_layer(checkpoints, family):
+    r = tensorpar("verify", "--model", str(checkpoints[family]), "--tp", "2", "--inject-fault", "1", "--json")
     assert r.returncode == 1
     out = json.loads(r.stdout)
     check = out["checks"][0]
@@ -54,6 +55,7 @@ def test_verify_names_the_first_diverging_layer(checkpoints):
     (["verify", "--model", "{llama}", "--tp", "3"], "valid tp sizes: 1, 2, 4"),
     (["verify", "--model", "{llama}", "--tp", "two"], "--tp 'two' must be comma-separated integers"),
     (["verify", "--model", "{llama}", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
+    (["verify", "--model", "{llama}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
     (["verify", "--model", "{unsupported}"], "model type 't5' in"),
 ])
 def test_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, message):
@@ -106,6 +108,7 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     (["run", "--model", "{llama}", "--prompt", "hello"], "has no tokenizer for --prompt"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,99999"], "invalid: [99999]"),
     (["run", "--prompt", "hi"], "--prompt is for decoders"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--max-new-tokens", "70"], "longer than this model's 64 positions"),
 ])
 def test_run_errors_are_one_line_with_exit_code_2(checkpoints, args, message):
     r = tensorpar(*[a.format(llama=checkpoints["llama"]) for a in args])

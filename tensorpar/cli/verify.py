@@ -53,11 +53,13 @@ def _show(r) -> None:
     for c in r.checks:
         t = Table(title=f"tp={c.tp}: max |split - unsplit| / max |unsplit|, tolerance {c.tolerance_rel:g}",
                   title_justify="left")
-        for col in ("block", "activation", "d loss / d activation", "|param grad|", ""):
+        for col in ("layer", "activation", "d loss / d activation", "parameter gradients", ""):
             t.add_column(col, justify="right")
         for lay in c.layers:
+            verdict = ("[green]ok[/]" if lay.ok else "[red]FIRST DIVERGENCE[/]" if lay.name == c.first_divergence
+                       else "[yellow]downstream[/]")
             t.add_row(lay.name, f"{lay.activation_rel:.1e}", f"{lay.activation_grad_rel:.1e}",
-                      f"{lay.param_grad_norm_rel:.1e}", "[green]ok[/]" if lay.ok else "[red]DIVERGES[/]")
+                      f"{lay.param_grad_rel:.1e}", verdict)
         con.print(t)
         con.print(f"loss: split {c.loss_split:.8g}, unsplit {c.loss_dense:.8g}; "
                   + (f"[red]first divergence: {c.first_divergence}[/]" if c.first_divergence else "[green]all blocks agree[/]"))

@@ -86,5 +86,14 @@ def is_decoder(ckpt: Checkpoint) -> bool:
     return ckpt.family != "bert"
 
 
-def param_count(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def max_positions(ckpt: Checkpoint) -> int | None:
+    """The longest sequence the model's position table or rotary setting allows (None: no limit known)."""
+    c = ckpt.config
+    return c.get("max_position_embeddings") or c.get("n_positions") or c.get("n_ctx")
+
+
+def check_length(ckpt: Checkpoint, tokens: int, what: str) -> None:
+    limit = max_positions(ckpt)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{what} ({tokens} tokens) is longer than this model's {limit} positions; "
+                         f"use at most {limit}")

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, is_decoder, open_checkpoint, parse_dtype,
-                                   quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, is_decoder, open_checkpoint,
+                                   parse_dtype, quiet_transformers)
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.",
@@ -82,6 +82,8 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
         if prompt is not None or prompt_ids is not None:
             raise ValueError(f"--prompt is for decoders; {ckpt.path} is a {ckpt.family} encoder "
                              f"(it embeds --sentence TEXT instead)")
+        if not _has_tokenizer(ckpt.path):
+            raise ValueError(f"{ckpt.path} has no tokenizer: an encoder needs one to embed sentences")
         sentences = list(sentences or DEFAULT_SENTENCES)
         if len(sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in sentences):
             raise ValueError(f"need at least two non-empty sentences to rank, got {sentences!r}")
@@ -89,6 +91,7 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
     ids = _prompt_ids(ckpt, prompt, prompt_ids)
+    check_length(ckpt, len(ids) + max_new_tokens, f"the prompt plus --max-new-tokens")
     return {"task": "generation", "prompt_ids": ids, "max_new_tokens": max_new_tokens,
             "has_tokenizer": _has_tokenizer(ckpt.path)}
 
@@ -152,7 +155,8 @@ def _encode(model, spec, measured: bool) -> dict:
     from tensorpar.models.minilm import sentence_embeddings
 
     tok = AutoTokenizer.from_pretrained(spec["path"])
-    emb = sentence_embeddings(model, tok, spec["sentences"])  # (N, H), unit rows
+    # base_model: the encoder itself, also when the checkpoint carries a head (BertForMaskedLM)
+    emb = sentence_embeddings(model.base_model, tok, spec["sentences"])  # (N, H), unit rows
     n_tokens = tok(spec["sentences"], padding=True, truncation=True, return_tensors="pt")["input_ids"].shape
     return {"output": emb, "input_shape": list(n_tokens)}
 

@@ -1,14 +1,15 @@
 """`tensorpar verify`: layer by layer, does the split model compute what the unsplit one does?
 
-For each tp size, every rank loads its shards of the checkpoint and rank 0 also the whole model.
+For each tp size, every rank loads its shards of the checkpoint and the whole model (so verify
+needs the dense model's memory on every rank: it is a check for models that fit).
 Both run the same inputs forward and backward (decoders: the next-token loss, from
 vocab-sharded logits on the split model; encoders: a fixed random projection of the last
 hidden state). Per transformer block we compare
 
 - the block's output activation (replicated on every rank, so directly comparable),
 - the gradient of the loss with respect to that activation,
-- the norm of the gradient of the block's parameters (shards summed over ranks, replicated
-  parameters counted once),
+- the gradient of every parameter of the block, each rank's shard element by element against
+  the same slice of the dense gradient,
 
 as ``max |split - unsplit| / max |unsplit|`` against the dtype's tolerance, and name the first
 block that diverges.
@@ -20,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import DTYPES, TOLERANCE, check_tp, open_checkpoint, parse_dtype, quiet_transformers
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, open_checkpoint, parse_dtype,
+                                   quiet_transformers)
 from tensorpar.jobs.run import _dense
 
 
@@ -29,7 +31,7 @@ class LayerCheck:
     name: str
     activation_rel: float
     activation_grad_rel: float
-    param_grad_norm_rel: float
+    param_grad_rel: float
     ok: bool
 
 
@@ -80,6 +82,7 @@ def verify(model_dir, tp_sizes, *, dtype: str = "float32", batch: int = 2, seq: 
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if not tp_sizes:
         raise ValueError("--tp needs at least one size, e.g. --tp 2,4")
+    check_length(ckpt, seq, f"--seq {seq}")
     for tp in tp_sizes:
         check_tp(ckpt, tp)
     n_layers = _n_layers(ckpt.config)
@@ -100,22 +103,30 @@ def _n_layers(config: dict) -> int:
 # ---- on every rank ---------------------------------------------------------------------------
 
 def verify_worker(spec: dict):
+    """Every rank runs both models; each compares its own shards; the worst figures are reduced."""
     from tensorpar.models.checkpoint import load_sharded
 
     quiet_transformers()
     dtype = DTYPES[spec["dtype"]]
     split, _ = load_sharded(spec["path"], dtype=dtype)
+    dense = _dense(spec["path"], dtype)
+    tol = TOLERANCE[dtype]
     if spec["inject_fault"] is not None and dist.get_rank() == dist.get_world_size() - 1:
-        _corrupt(_blocks(split)[spec["inject_fault"]])
+        _corrupt(_blocks(split)[spec["inject_fault"]], tol)
     inputs = _inputs(split.config, spec)
     s_acts, s_loss = _forward_backward(split, inputs, spec["family"])
-    s_norms = [_grad_norm(m, split) for m in _checked(split)]  # collective: every rank
+    d_acts, d_loss = _forward_backward(dense, inputs, spec["family"])
+    rows = _rows(split, dense, s_acts, d_acts)  # (n_rows, 3): this rank's worst relative differences
+    worst = torch.tensor(rows, dtype=torch.float64)
+    dist.all_reduce(worst, split.tp_report.tp_group, op="max")  # the worst over every rank's shards
     if dist.get_rank() != 0:
         return None
-    dense = _dense(spec["path"], dtype)
-    d_acts, d_loss = _forward_backward(dense, inputs, spec["family"])
-    d_norms = [_grad_norm(m, None) for m in _checked(dense)]
-    return _compare(spec, s_acts, d_acts, s_norms, d_norms, s_loss, d_loss, dtype)
+    check = TPCheck(tp=dist.get_world_size(), tolerance_rel=tol, loss_split=s_loss, loss_dense=d_loss)
+    loss_rel = abs(s_loss - d_loss) / (abs(d_loss) or 1.0)
+    for name, (act, grad, pgrad) in zip(_row_names(split), worst.tolist()):
+        check.layers.append(LayerCheck(name, act, grad, pgrad, max(act, grad, pgrad) <= tol))
+    check.layers.append(LayerCheck("loss", loss_rel, 0.0, 0.0, loss_rel <= tol))
+    return check
 
 
 def _blocks(model) -> torch.nn.ModuleList:
@@ -129,6 +140,10 @@ def _checked(model) -> list:
     return [model.get_input_embeddings(), *_blocks(model)]
 
 
+def _row_names(model) -> list[str]:
+    return ["embeddings", *(f"block {i}" for i in range(len(_blocks(model)))), "rest (final norm, head)"]
+
+
 def _inputs(config, spec) -> dict:
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["seq"]), generator=g)
@@ -136,14 +151,16 @@ def _inputs(config, spec) -> dict:
 
 
 @torch.no_grad()
-def _corrupt(block) -> None:
-    """Scale this rank's shard of the block's first matrix by 1.001: a relative error of 1e-3,
-    far above every tolerance but float16's, as a silently corrupted shard would be."""
-    next(p for p in block.parameters() if p.dim() == 2).mul_(1.001)
+def _corrupt(block, tol: float) -> None:
+    """Scale this rank's shard of the block's last matrix (the projection that writes into the
+    residual stream) by 1 + 1000 tol, capped at 1.5: a silently corrupted shard, well above the
+    dtype's tolerance whatever the model's scale."""
+    last = [p for p in block.parameters() if p.dim() == 2][-1]
+    last.mul_(1 + min(1000 * tol, 0.5))
 
 
 def _forward_backward(model, inputs, family):
-    """Per-block outputs and their gradients, and the loss."""
+    """Per-module outputs and their gradients, and the loss."""
     acts, hooks = [], []
 
     def keep(_module, _inp, out):
@@ -166,23 +183,58 @@ def _forward_backward(model, inputs, family):
 
 def _loss(model, inputs, family):
     if family == "bert":
-        hidden = model(**inputs).last_hidden_state  # (B, T, H)
+        hidden = model.base_model(**inputs).last_hidden_state  # (B, T, H); a head, if any, is not used
         proj = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(7), dtype=hidden.dtype)
         return (hidden @ proj).square().mean()
     from tensorpar.models.training import causal_lm_loss
     return causal_lm_loss(model, inputs["input_ids"])
 
 
-def _grad_norm(block, split_model) -> float:
-    """The 2-norm of the block's parameter gradients over the whole (unsplit) block."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in block.parameters():
-        if p.grad is not None:
-            sq += p.grad.double().square().sum() / getattr(p, "tp_replicas", 1)
-    if split_model is not None:
-        group = split_model.tp_report.tp_group
-        dist.all_reduce(sq, group)
-    return sq.sqrt().item()
+def _rows(split, dense, s_acts, d_acts) -> list[list[float]]:
+    """Per checked module: activation, activation-gradient and parameter-gradient differences;
+    then one row for every parameter outside them (final norm, head)."""
+    dense_params = dict(dense.named_parameters())
+    rows, seen = [], set()
+    for module, (sa, sg), (da, dg) in zip(_checked(split), s_acts, d_acts):
+        params = list(module.parameters())
+        seen.update(id(p) for p in params)
+        rows.append([_rel(sa, da), _rel(sg, dg), _param_grads_rel(params, split, dense_params)])
+    rest = [p for p in split.parameters() if id(p) not in seen]
+    rows.append([0.0, 0.0, _param_grads_rel(rest, split, dense_params)])
+    return rows
+
+
+def _param_grads_rel(params, split, dense_params) -> float:
+    """Worst ``max |g_shard - shard(g_dense)| / max |g_dense|`` over ``params`` (this rank's shards).
+
+    Each shard is compared element by element with the same slice of the dense gradient (the
+    slice ``parallelize`` cut it from, zero-padded where the shard is), so a wrong sign, a
+    permuted or a missing piece shows. A tensor whose dense gradient vanishes next to its
+    block's (e.g. a key bias, whose gradient is zero without rotary) is measured against 1e-3 of
+    the block's largest gradient instead of its own ~0.
+    """
+    pairs = [(p, _dense_grad_shard(p, split, dense_params)) for p in params if p.grad is not None]
+    if not pairs:
+        return 0.0
+    block_scale = max(ref.abs().max().item() for _, ref in pairs) or 1.0
+    worst = 0.0
+    for p, ref in pairs:
+        scale = max(ref.abs().max().item(), 1e-3 * block_scale)
+        worst = max(worst, (p.grad.double() - ref.double()).abs().max().item() / scale)
+    return worst
+
+
+def _dense_grad_shard(p, split, dense_params) -> torch.Tensor:
+    spec = getattr(p, "tp_spec", None)
+    name = spec.key if spec is not None else _name_of(p, split)
+    g = dense_params[name].grad
+    if g is None:
+        return torch.zeros_like(p)
+    return spec.take(lambda idx: g[idx]) if spec is not None else g
+
+
+def _name_of(p, model) -> str:
+    return next(n for n, q in model.named_parameters() if q is p)
 
 
 def _rel(a, b) -> float:
@@ -190,14 +242,3 @@ def _rel(a, b) -> float:
         return 0.0 if a is None and b is None else float("inf")
     scale = b.double().abs().max().item() or 1.0
     return (a.double() - b.double()).abs().max().item() / scale
-
-
-def _compare(spec, s_acts, d_acts, s_norms, d_norms, s_loss, d_loss, dtype) -> TPCheck:
-    tol = TOLERANCE[dtype]
-    check = TPCheck(tp=dist.get_world_size(), tolerance_rel=tol, loss_split=s_loss, loss_dense=d_loss)
-    for i, ((sa, sg), (da, dg), sn, dn) in enumerate(zip(s_acts, d_acts, s_norms, d_norms)):
-        act, grad = _rel(sa, da), _rel(sg, dg)
-        norm = abs(sn - dn) / (dn or 1.0)
-        name = "embeddings" if i == 0 else f"block {i - 1}"
-        check.layers.append(LayerCheck(name, act, grad, norm, max(act, grad, norm) <= tol))
-    return check
