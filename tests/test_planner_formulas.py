@@ -1,4 +1,5 @@
 """Planner formulas against the closed forms they cite, and against hand counts for tiny models."""
+import dataclasses
 import json
 import math
 
@@ -9,7 +10,9 @@ from tensorpar.planner import collectives as C
 from tensorpar.planner import flops as F
 from tensorpar.planner import memory as M
 from tensorpar.planner import params as PR
-from tensorpar.planner.models import default_ffn, from_hf_config
+from tensorpar.planner.comm import tp_layer_collectives
+from tensorpar.planner.hfconfig import from_hf_config, from_hf_dict
+from tensorpar.planner.models import default_ffn
 
 # Tiny models whose per-rank parameters are counted by hand in the tests below.
 LLAMA_TINY = ModelSpec(family="llama", layers=2, hidden=8, heads=4, kv_heads=2, head_dim=2, ffn=12, vocab=10, seq=6)
@@ -79,8 +82,20 @@ def test_gpt_flops_reproduce_narayanan_closed_forms():
         closed_72 = 72 * b * s * l * h**2 * (1 + s / (6 * h) + v / (12 * l * h))
         assert F.flops_per_iteration(m, b) == pytest.approx(closed_72, rel=1e-12)
         assert F.hardware_flops_per_iteration(m, b, "full") == pytest.approx(F.narayanan_eq3_flops(l, h, v, s, b), rel=1e-12)
+        assert F.hardware_flops_per_iteration(m, b, "selective") == pytest.approx(
+            F.korthikanti_eq8_flops(l, h, v, s, b), rel=1e-12)
         selective = F.hardware_flops_per_iteration(m, b, "selective") - F.flops_per_iteration(m, b)
-        assert selective == pytest.approx(4 * b * s**2 * h * l, rel=1e-12)  # Korthikanti: scores re-run
+        assert selective == pytest.approx(12 * b * s**2 * h * l, rel=1e-12)  # Eq. 8 over Eq. 7
+
+
+def test_selective_lower_bound_reruns_the_scores_forward_once():
+    """The bound counts what must run, one forward re-run of QK^T and softmax(.)V over the
+    unmasked pairs, not Eq. 8's three (see flops.py)."""
+    for m in (get_model("gpt3-175b"), GPT_TINY, get_model("llama-2-7b")):
+        s, a, d, l = m.seq, m.heads, m.head_dim, m.layers
+        extra = F.causal_flops_per_iteration(m, 2, "selective") - F.causal_flops_per_iteration(m, 2, "none")
+        assert extra == pytest.approx(2 * l * 4 * a * d * s * (s + 1) / 2, rel=1e-12)
+        assert F.causal_flops_per_iteration(m, 2, "selective") < F.hardware_flops_per_iteration(m, 2, "selective")
 
 
 def test_llama_flops_count_swiglu_and_gqa():
@@ -233,3 +248,92 @@ def test_decode_bound_is_weight_streaming_for_one_token():
     assert t["kv_bytes_read_per_device"] == 4096 * 2 * 80 * 1 * 128 * 2
     assert r.decode_time_per_token_lower_bound_s == pytest.approx(
         (t["weight_bytes_read_per_device"] + t["kv_bytes_read_per_device"]) / hw.hbm_bytes_per_s)
+
+
+STARCODER = {"model_type": "gpt_bigcode", "n_embd": 6144, "n_head": 48, "n_layer": 40, "n_positions": 8192,
+             "vocab_size": 49152, "multi_query": True, "n_inner": 24576}
+MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768,
+              "sliding_window": 4096, "tie_word_embeddings": False}  # Mistral-7B-v0.1 config.json
+
+
+def test_gpt_bigcode_multi_query_shares_one_kv_head():
+    m = from_hf_dict(STARCODER)
+    assert m.kv_heads == 1
+    # GPTBigCodeForCausalLM's parameter count for this config (the published "15.5B"); the
+    # agreement test checks the same rule against transformers' modules on tiny configs
+    assert PR.count_params(m) == 15_517_456_384
+    assert M.kv_cache_bytes_per_token(m)["total"] == 2 * 40 * 1 * 128 * 2  # one K/V head of 128
+    mha = from_hf_dict({**STARCODER, "multi_query": False})
+    assert mha.kv_heads == 48 and M.kv_cache_bytes_per_token(mha)["total"] == 48 * 2 * 40 * 128 * 2
+    assert from_hf_dict({k: v for k, v in STARCODER.items() if k != "multi_query"}).kv_heads == 1  # HF default
+
+
+def test_unsupported_hf_types_are_refused_with_the_supported_list():
+    with pytest.raises(ValueError, match=r"unsupported model_type 'openai-gpt' .*no final LayerNorm.*; "
+                                         r"valid: llama, mistral, qwen2, qwen3, gpt2, gpt_bigcode"):
+        from_hf_dict({"model_type": "openai-gpt", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 40478})
+    with pytest.raises(ValueError, match=r"llama with mlp_bias=True .* valid: mlp_bias=false"):
+        from_hf_dict({**MISTRAL_7B, "model_type": "llama", "mlp_bias": True})
+    with pytest.raises(ValueError, match=r"qwen3 with attention_bias=True"):
+        from_hf_dict({**MISTRAL_7B, "model_type": "qwen3", "attention_bias": True})
+
+
+def test_qwen3_counts_its_q_and_k_norms():
+    cfg = {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+           "max_position_embeddings": 40960, "tie_word_embeddings": False}  # Qwen3-8B config.json
+    m = from_hf_dict(cfg)
+    assert m.qk_norm and PR.count_params(m) == 8_190_735_360  # Qwen3ForCausalLM's count ("8.2B")
+    no_norm = dataclasses.replace(m, qk_norm=False)
+    assert PR.count_params(m) - PR.count_params(no_norm) == 36 * 2 * 128  # q_norm, k_norm: head_dim weights each
+    assert PR.params_per_device(m, 8) - PR.params_per_device(no_norm, 8) == 36 * 2 * 128  # replicated
+    (qk,) = [i for i in tp_layer_collectives(m, Layout(tp=4), phase="training") if i.where == "layer.attention.qk_norm"]
+    assert qk.count == 2 and qk.payload_bytes == 128 * 2  # gradients of two d-vectors, bf16
+
+
+def test_sliding_window_from_hf_configs():
+    m = from_hf_dict(MISTRAL_7B)
+    assert (m.sliding_window, m.window_layers, m.seq) == (4096, 32, 32768)
+    assert m.seq_source == "max_position_embeddings in the config"
+    qwen2 = {**MISTRAL_7B, "model_type": "qwen2", "num_hidden_layers": 28, "sliding_window": 131072}
+    assert from_hf_dict(qwen2).sliding_window is None  # use_sliding_window defaults to false
+    on = from_hf_dict({**qwen2, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 21})
+    assert (on.sliding_window, on.window_layers) == (4096, 7)  # layers 21..27
+    typed = {**qwen2, "use_sliding_window": True, "sliding_window": 4096,
+             "layer_types": ["full_attention"] * 20 + ["sliding_attention"] * 8}
+    assert from_hf_dict(typed).window_layers == 8
+    assert from_hf_dict({**MISTRAL_7B, "model_type": "llama"}).sliding_window is None  # llama has no window
+
+
+def test_sliding_window_limits_decode_kv_reads_and_attention_flops():
+    m, hw, b = from_hf_dict(MISTRAL_7B), get_hardware("h100-sxm"), 4
+    full = dataclasses.replace(m, sliding_window=None, window_layers=None)
+    r = plan(m, Layout(micro_batch=b, workload="inference"), hw)
+    kv = r.kv_cache_bytes_per_token["per_device"]
+    t = r.decode_bound_terms
+    # a sliding-window runtime reads the window's K/V in every layer, not the 32k context
+    assert t["kv_bytes_read_per_device"] == b * 4096 * kv
+    assert r.decode_time_per_token_lower_bound_s == pytest.approx(
+        (t["weight_bytes_read_per_device"] + b * 4096 * kv) / hw.hbm_bytes_per_s, rel=1e-12)
+    # causal pairs with a window of W keys: W(W+1)/2 + (s - W) W per sequence and layer
+    s, w, a, d, l = 32768, 4096, 32, 128, 32
+    pairs = w * (w + 1) / 2 + (s - w) * w
+    scores_windowed = 3 * l * 4 * a * d * pairs
+    scores_causal = 3 * l * 4 * a * d * s * (s + 1) / 2
+    assert F.causal_flops_per_iteration(full, 1, "none") - F.causal_flops_per_iteration(m, 1, "none") == \
+        pytest.approx(scores_causal - scores_windowed, rel=1e-12)
+    assert F.prefill_flops(full, 1, s) - F.prefill_flops(m, 1, s) == pytest.approx(
+        (scores_causal - scores_windowed) / 3, rel=1e-12)
+    short = dataclasses.replace(m, seq=1000)  # shorter than the window: nothing changes
+    assert F.causal_flops_per_iteration(short, 1, "none") == F.causal_flops_per_iteration(
+        dataclasses.replace(short, sliding_window=None, window_layers=None), 1, "none")
+    # model and hardware FLOPs stay the papers' (every query against all s keys)
+    assert F.flops_per_iteration(m, 1) == F.flops_per_iteration(full, 1)
+
+
+def test_window_validation():
+    with pytest.raises(ValueError, match=r"sliding_window \(0\) must be a positive integer"):
+        ModelSpec(family="llama", layers=2, hidden=8, heads=2, vocab=8, seq=4, sliding_window=0)
+    with pytest.raises(ValueError, match=r"window_layers \(3\) must be an integer from 0 to layers \(2\)"):
+        ModelSpec(family="llama", layers=2, hidden=8, heads=2, vocab=8, seq=4, sliding_window=2, window_layers=3)

@@ -12,8 +12,20 @@ matrices (2 GELU, 3 SwiGLU) and c keys attended to:
 Backward costs twice the forward (Narayanan et al. 2021, Sec. 5.1). For the gpt family with
 f = 4h, a d = h and c = s this gives 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per iteration, and
 with full recomputation (one more forward of every layer, not of the LM head) Eq. 3,
-96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Selective recomputation (Korthikanti et al. 2022,
-Sec. 5) re-runs only the attention-score part, adding 4 B s^2 a d l.
+96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+
+Selective recomputation (Korthikanti et al. 2022, arXiv:2205.05198) re-runs only the
+attention-score part. Their Appendix A, Eq. 8, gives hardware FLOPs
+72 B L s h^2 (1 + s/(3h) + V/(12 h L)): 12 B s^2 h L over the model FLOPs, three times the
+forward score FLOPs 4 B s^2 h L, although the text before it names only the forward re-run. The
+equation is what the paper's figures use: Table 5's hardware FLOPs utilisation (43.7% ... 57.0%)
+and Sec. 5's "2.7% and 1.6% FLOPs overhead" for GPT-3 and MT-NLG. ``hardware_flops_per_iteration``
+reports Eq. 8 (counted from shapes: three times the forward score FLOPs), so that utilisations
+compare with theirs. The compute *lower bound* (:func:`causal_flops_per_iteration`) counts only
+what must run: one forward re-run of the scores, over the unmasked causal pairs.
+
+Model and hardware FLOPs count every query against all ``s`` keys, as the papers do; only the
+bounds count causal masking and sliding windows (``ModelSpec.causal_keys_per_query``).
 """
 from __future__ import annotations
 
@@ -50,34 +62,52 @@ def flops_per_iteration(model: ModelSpec, global_batch: int, seq: int | None = N
 
 def recompute_flops_per_iteration(model: ModelSpec, global_batch: int, recompute: str,
                                   seq: int | None = None) -> float:
-    """Extra forward FLOPs recomputation adds: full re-runs every layer's forward (Narayanan
-    et al. 2021, Eq. 3); selective only the attention scores (Korthikanti et al. 2022, Sec. 5)."""
+    """Extra FLOPs recomputation adds to the reported hardware FLOPs: full re-runs every layer's
+    forward (Narayanan et al. 2021, Eq. 3); selective adds three times the forward score FLOPs,
+    ``12 B s^2 a d L`` (Korthikanti et al. 2022, App. A, Eq. 8; see the module docstring)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
     s = model.seq if seq is None else seq
     layer = layer_forward_flops_per_token(model, s)
     per_token = {"none": 0.0, "full": layer["dense"] + layer["attention_scores"],
-                 "selective": layer["attention_scores"]}[recompute]
+                 "selective": 3.0 * layer["attention_scores"]}[recompute]
     return float(global_batch) * s * model.layers * per_token
 
 
 def hardware_flops_per_iteration(model: ModelSpec, global_batch: int, recompute: str,
                                  seq: int | None = None) -> float:
-    """FLOPs the devices execute for one global batch, recomputation included."""
+    """FLOPs the devices execute for one global batch, recomputation included, as Narayanan et al.
+    2021 (Eq. 3, full) and Korthikanti et al. 2022 (Eq. 8, selective) count them."""
     return (flops_per_iteration(model, global_batch, seq)
             + recompute_flops_per_iteration(model, global_batch, recompute, seq))
 
 
 def causal_flops_per_iteration(model: ModelSpec, global_batch: int, recompute: str,
                                seq: int | None = None) -> float:
-    """The least matmul FLOPs of one iteration: as ``hardware_flops_per_iteration`` but with causal
-    attention counting only the ``s (s + 1) / 2`` unmasked query-key pairs (kernels such as
-    FlashAttention skip masked blocks; Dao et al. 2022). The compute time bound uses this."""
+    """The least matmul FLOPs of one iteration, which the compute time bound uses.
+
+    Per token: dense work 3 passes (4 with full recomputation), the LM head 3, and the attention
+    scores 3 passes plus one forward re-run under either recomputation, each counting only the
+    unmasked query-key pairs: ``(s + 1) / 2`` keys per query causally, fewer in sliding-window
+    layers (kernels such as FlashAttention skip masked blocks; Dao et al. 2022). Selective
+    recomputation adds one forward of the scores (``4 B s^2 a d L`` unmasked, Korthikanti et al.
+    2022, App. A text), not Eq. 8's three.
+    """
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
     s = model.seq if seq is None else seq
-    full = hardware_flops_per_iteration(model, global_batch, recompute, s)
-    scores_fwd = float(global_batch) * s * model.layers * layer_forward_flops_per_token(model, s)["attention_scores"]
-    passes = {"none": 3, "selective": 4, "full": 4}[recompute]
-    return full - passes * scores_fwd * (1 - (s + 1) / (2 * s))
+    layer = layer_forward_flops_per_token(model, model.causal_keys_per_query(s))
+    dense_passes, score_passes = (4, 4) if recompute == "full" else (3, 4 if recompute == "selective" else 3)
+    per_token = (model.layers * (dense_passes * layer["dense"] + score_passes * layer["attention_scores"])
+                 + 3 * lm_head_forward_flops_per_token(model))
+    return float(global_batch) * s * per_token
+
+
+def korthikanti_eq8_flops(layers: int, hidden: int, vocab: int, seq: int, global_batch: int) -> float:
+    """Korthikanti et al. 2022 (arXiv:2205.05198), App. A, Eq. 8, hardware FLOPs per iteration with
+    selective recomputation: ``72 B L s h^2 (1 + s/(3h) + V/(12 h L))`` (gpt, ffn = 4h)."""
+    l, h, s = layers, hidden, seq
+    return 72.0 * global_batch * l * s * h**2 * (1 + s / (3 * h) + vocab / (12 * h * l))
 
 
 def narayanan_eq3_flops(layers: int, hidden: int, vocab: int, seq: int, global_batch: int) -> float:
@@ -89,16 +119,17 @@ def narayanan_eq3_flops(layers: int, hidden: int, vocab: int, seq: int, global_b
 
 def prefill_flops(model: ModelSpec, batch: int, prompt: int) -> float:
     """Least forward FLOPs to prefill ``batch`` prompts of ``prompt`` tokens: every layer for every
-    token with causal attention, and the LM head only for each prompt's last token (the one whose
-    logits pick the next token)."""
-    layer = layer_forward_flops_per_token(model, (prompt + 1) / 2)  # mean keys per query, causal
+    token with causal (and, where the model has one, sliding-window) attention, and the LM head
+    only for each prompt's last token (the one whose logits pick the next token)."""
+    layer = layer_forward_flops_per_token(model, model.causal_keys_per_query(prompt))
     per_seq = prompt * model.layers * (layer["dense"] + layer["attention_scores"])
     return float(batch) * (per_seq + lm_head_forward_flops_per_token(model))
 
 
 def decode_flops_per_token(model: ModelSpec, batch: int, context: int) -> float:
-    """Forward FLOPs of one decode step: ``batch`` new tokens, each attending to ``context`` keys."""
-    layer = layer_forward_flops_per_token(model, context)
+    """Forward FLOPs of one decode step: ``batch`` new tokens, each attending to ``context`` keys
+    (at most the sliding window in windowed layers)."""
+    layer = layer_forward_flops_per_token(model, model.attended_keys(context))
     per_token = model.layers * (layer["dense"] + layer["attention_scores"]) + lm_head_forward_flops_per_token(model)
     return float(batch) * per_token
 
