@@ -3,7 +3,7 @@
 Standard library only (no numpy, no torch). Every formula is a small function in one of
 
 - :mod:`.hardware` accelerator presets (vendor datasheets) and custom devices,
-- :mod:`.models` model shapes (gpt / llama families, presets, Hugging Face ``config.json``),
+- :mod:`.models` model shapes (gpt / llama families, presets); :mod:`.hfconfig` a Hugging Face ``config.json``,
 - :mod:`.layout` tp x pp x dp, batch, recomputation, precision, ZeRO stage,
 - :mod:`.params` parameter counts, whole and per rank,
 - :mod:`.flops` model and hardware FLOPs (Narayanan et al. 2021; Korthikanti et al. 2022),
@@ -19,9 +19,10 @@ from .comm import CommItem, dp_collectives, pp_collectives, tp_collectives, tp_l
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, custom_hardware, get_hardware
 from .hf import params_per_rank
+from .hfconfig import from_hf_config, from_hf_dict
 from .layout import Layout
 from .models import PRESETS as MODEL_PRESETS
-from .models import ModelSpec, from_hf_config, from_hf_dict, get_model
+from .models import ModelSpec, get_model
 from .params import count_params, param_breakdown, params_per_device
 from .predict import PredictedCollective, RuntimePrediction, predict_collectives
 from .report import PlanReport, plan

@@ -13,10 +13,11 @@ micro-batch of shape (b, s) with ``N = b s h e``:
 Under sequence parallelism the gradients of replicated parameters that see only a sequence shard
 are all-reduced in backward: each norm's weight (and LayerNorm bias), the biases of the
 row-parallel outputs (gpt), the learned position table (gpt, assuming it is added to the sequence
-shard). Full recomputation re-issues each layer's forward collectives during backward
-(``recomputed=True``; a ledger records them as forward). Megatron-LM counts: Shoeybi et al. 2019,
-Sec. 3 (two all-reduces per layer forward, two backward); Korthikanti et al. 2022, Sec. 4.2.2
-(sequence parallelism moves the same bytes).
+shard). Qwen3's q/k norm weights are shared by the heads of every rank, so their gradients are
+all-reduced in training whatever the sequence split. Full recomputation re-issues each layer's
+forward collectives during backward (``recomputed=True``; a ledger records them as forward).
+Megatron-LM counts: Shoeybi et al. 2019, Sec. 3 (two all-reduces per layer forward, two
+backward); Korthikanti et al. 2022, Sec. 4.2.2 (sequence parallelism moves the same bytes).
 """
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def tp_layer_collectives(model: ModelSpec, layout: Layout, *, phase: str | None 
         rows = model.kv_heads * model.head_dim * (model.hidden + (1 if model.qkv_bias else 0)) * e
         items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, rows, count=2,
                           note="k and v weight gradients of replicated kv heads, (g, d, h[+1]) slots"))
+    if phase == "training" and model.qk_norm:
+        items.append(item("all_reduce", "layer.attention.qk_norm", "backward", "tp", p, model.head_dim * e, count=2,
+                          note="q_norm and k_norm weight gradients: each rank's heads give a partial sum"))
     if phase == "training" and layout.sequence_parallel:
         per_norm = 2 if model.family == "gpt" else 1  # LayerNorm weight + bias; RMSNorm weight
         items.append(item("all_reduce", "layer.norms", "backward", "tp", p, model.hidden * e, count=2 * per_norm,

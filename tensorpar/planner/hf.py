@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .models import ModelSpec, divisors, from_hf_dict
+from .hfconfig import from_hf_dict
+from .models import ModelSpec, divisors
 from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")

@@ -46,6 +46,7 @@ def activation_bytes_per_layer(model: ModelSpec, *, seq: int, micro_batch: int, 
     - norms: 2 inputs, ``rep(2 h e)``; attention and MLP inputs ``rep(2 h e)``
     - Q ``a_t d e``, K and V ``g_t d e`` each, o_proj input ``a_t d e`` (heads split)
     - scores: softmax output ``a_t s e``; gpt adds its dropout mask ``a_t s`` and output ``a_t s e``
+    - Qwen3's q/k norms (``qk_norm``): their inputs ``(a_t + g_t) d e``
     - MLP: gpt GELU input and down input ``2 f_t e``; llama gate, up and down input ``3 f_t e``
     - gpt: two dropout masks ``rep(2 h)``
 
@@ -63,6 +64,8 @@ def activation_bytes_per_layer(model: ModelSpec, *, seq: int, micro_batch: int, 
     dropout = model.family == "gpt"
     per_token = rep(4 * h * e) + (2 * a_t + 2 * g_t) * d * e
     per_token += model.mlp_matrices * f_t * e
+    if model.qk_norm:
+        per_token += (a_t + g_t) * d * e
     if dropout:
         per_token += rep(2 * h)
     if recompute == "none":

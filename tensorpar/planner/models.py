@@ -6,10 +6,14 @@
 - ``llama``: rotary positions (no parameters), untied embeddings, no biases, RMSNorm (weight only),
   SwiGLU MLP ``h -> 2 x ffn -> h`` (gate, up, down), grouped-query attention (``kv_heads``).
   Touvron et al. 2023 (Llama 2); Dubey et al. 2024 (The Llama 3 Herd of Models, Table 3).
+
+Two per-model options change what the bounds count: ``sliding_window`` (Mistral 7B, Jiang et al.
+2023, Sec. 2: a query attends to at most ``W`` keys, in ``window_layers`` of the layers, all by
+default) and ``qk_norm`` (Qwen3: an RMSNorm of ``head_dim`` weights on the queries and one on the
+keys of every layer).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +36,11 @@ class ModelSpec:
     tied_embeddings: bool | None = None
     qkv_bias: bool | None = None
     max_positions: int | None = None
+    sliding_window: int | None = None
+    window_layers: int | None = None
+    qk_norm: bool = False
     name: str = "custom"
+    seq_source: str = "given"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -55,9 +63,43 @@ class ModelSpec:
             if self.family == "gpt" and self.seq > self.max_positions:
                 raise ValueError(f"seq ({self.seq}) exceeds the learned position table "
                                  f"(max_positions={self.max_positions}); valid: seq <= {self.max_positions}")
+        self._check_window()
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads}); "
                              f"valid kv_heads: {', '.join(map(str, divisors(self.heads)))}")
+
+    def _check_window(self) -> None:
+        if self.sliding_window is None:
+            if self.window_layers not in (None, 0):
+                raise ValueError(f"window_layers ({self.window_layers}) needs a sliding_window; valid: 0 or None")
+            return
+        _check_size("sliding_window", self.sliding_window)
+        if self.window_layers is None:
+            object.__setattr__(self, "window_layers", self.layers)  # every layer, as in Mistral 7B
+        w = self.window_layers
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= self.layers:
+            raise ValueError(f"window_layers ({w!r}) must be an integer from 0 to layers ({self.layers})")
+
+    def attended_keys(self, context: int) -> float:
+        """Keys one query at position ``context`` attends to, averaged over the layers:
+        ``context``, or at most ``W`` in the sliding-window layers (a query sees itself and the
+        ``W - 1`` keys before it, the Hugging Face mask; Mistral's reference code allows one more,
+        so ``W`` is the smaller count a bound may use)."""
+        if self.sliding_window is None:
+            return float(context)
+        windowed = min(context, self.sliding_window)
+        return (self.window_layers * windowed + (self.layers - self.window_layers) * context) / self.layers
+
+    def causal_keys_per_query(self, seq: int) -> float:
+        """Mean keys per query over a causal sequence of ``seq`` tokens and over the layers:
+        ``(s + 1) / 2`` unmasked pairs per query, or with a window of ``W`` keys
+        ``(W (W + 1) / 2 + (s - W) W) / s`` when s > W."""
+        full = (seq + 1) / 2
+        if self.sliding_window is None:
+            return full
+        w = min(seq, self.sliding_window)
+        windowed = (w * (w + 1) / 2 + (seq - w) * w) / seq
+        return (self.window_layers * windowed + (self.layers - self.window_layers) * full) / self.layers
 
     @property
     def position_table(self) -> int:
@@ -102,12 +144,12 @@ def _check_size(name: str, value) -> None:
 
 def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, seq):
     return ModelSpec(name=name, family="llama", layers=layers, hidden=hidden, heads=heads,
-                     kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
+                     kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq, seq_source="preset")
 
 
 def _gpt(name, layers, hidden, heads, vocab=51200, seq=2048):
     return ModelSpec(name=name, family="gpt", layers=layers, hidden=hidden, heads=heads,
-                     vocab=vocab, seq=seq)
+                     vocab=vocab, seq=seq, seq_source="preset")
 
 
 # Llama: the config.json files Meta published with the weights (Llama 2: Touvron et al. 2023,
@@ -148,60 +190,16 @@ def get_model(name_or_path: str, *, seq: int | None = None) -> ModelSpec:
     key = str(name_or_path).strip().lower()
     if key in PRESETS:
         spec = PRESETS[key]
-        return spec if seq is None else _replace(spec, seq=seq)
+        return spec if seq is None else _replace(spec, seq=seq, seq_source="given")
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".json" or path.exists():
+        from .hfconfig import from_hf_config  # imported here: hfconfig imports this module
+
         return from_hf_config(path, seq=seq)
     raise ValueError(f"unknown model {name_or_path!r}; valid: {', '.join(PRESETS)}, "
                      "or the path of a Hugging Face config.json")
-
-
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_GPT_TYPES = ("gpt2", "gpt_bigcode", "openai-gpt")
-
-
-def from_hf_config(path, *, seq: int | None = None) -> ModelSpec:
-    """Shapes from a Hugging Face ``config.json`` file (see :func:`from_hf_dict`)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no such config.json: {path}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    return from_hf_dict(cfg, seq=seq, name=cfg.get("_name_or_path") or path.parent.name or "hf",
-                        source=str(path))
-
-
-def from_hf_dict(cfg: dict, *, seq: int | None = None, name: str | None = None,
-                 source: str = "the config") -> ModelSpec:
-    """Shapes from a Hugging Face config as a dict (``config.to_dict()`` or a parsed
-    ``config.json``): Llama-style (llama, mistral, qwen2, qwen3) or GPT-2-style (gpt2) field
-    names. ``seq`` defaults to ``max_position_embeddings`` / ``n_positions``."""
-    if not isinstance(cfg, dict):
-        raise ValueError(f"a Hugging Face config must be a dict (config.to_dict()); got {type(cfg).__name__}")
-    kind = cfg.get("model_type", "")
-    name = name or cfg.get("_name_or_path") or "hf"
-    if kind in _LLAMA_TYPES:
-        return ModelSpec(
-            name=name, family="llama", layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-            heads=cfg["num_attention_heads"], kv_heads=cfg.get("num_key_value_heads"),
-            ffn=cfg["intermediate_size"], vocab=cfg["vocab_size"], head_dim=cfg.get("head_dim"),
-            seq=seq or cfg.get("max_position_embeddings", 4096),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", kind == "qwen2")))
-    if kind in _GPT_TYPES:
-        hidden = cfg.get("n_embd", cfg.get("hidden_size"))
-        return ModelSpec(
-            name=name, family="gpt", layers=cfg.get("n_layer", cfg.get("num_hidden_layers")),
-            hidden=hidden, heads=cfg.get("n_head", cfg.get("num_attention_heads")),
-            ffn=cfg.get("n_inner") or 4 * hidden, vocab=cfg["vocab_size"],
-            seq=seq or cfg.get("n_positions", 1024), max_positions=cfg.get("n_positions"),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)))
-    raise ValueError(f"unsupported model_type {kind!r} in {source}; valid: "
-                     f"{', '.join(_LLAMA_TYPES + _GPT_TYPES)}")
 
 
 def _replace(spec: ModelSpec, **changes) -> ModelSpec:

@@ -7,6 +7,7 @@ convention, Megatron-LM partitioning, Shoeybi et al. 2019, Sec. 3):
     k, v    h x (g_t d) each    column-parallel; g_t = g / t, or 1   + bias g_t d each
             when t is a multiple of g (each kv head replicated t / g times)
     o       (a d / t) x h       row-parallel                         + bias h, replicated (gpt)
+    q/k norm 2 d, replicated    per-head RMSNorms of Qwen3 (``qk_norm``)
     mlp     m x h x f_t         m = 2 (GELU) or 3 (SwiGLU), f_t = ceil(f / t)
             gpt biases: f_t (up, split) + h (down, replicated)
     norms   2 per layer, replicated: LayerNorm 2h, RMSNorm h
@@ -67,13 +68,14 @@ def kv_replication(model: ModelSpec, tp: int) -> int:
 
 
 def attention_params(model: ModelSpec, tp: int = 1) -> int:
-    """Attention parameters on one rank (q, k, v, o and their biases)."""
+    """Attention parameters on one rank (q, k, v, o, their biases, Qwen3's q/k norms)."""
     h, d = model.hidden, model.head_dim
     q_cols = heads_per_device(model, tp) * d
     kv_cols = kv_heads_per_device(model, tp) * d
     weights = h * q_cols + 2 * h * kv_cols + q_cols * h  # (h, a d/t), 2 x (h, g_t d), (a d/t, h)
     bias = (q_cols + 2 * kv_cols if model.qkv_bias else 0) + (h if model.biases else 0)
-    return weights + bias
+    qk_norm = 2 * d if model.qk_norm else 0  # one d-vector for all q heads, one for all k heads
+    return weights + bias + qk_norm
 
 
 def mlp_params(model: ModelSpec, tp: int = 1) -> int:

@@ -21,7 +21,8 @@ from .timing import (comm_time_estimate, comm_time_lower_bound, compute_time_low
 ASSUMPTIONS = [
     "lower bounds use vendor peak dense FLOP/s, peak HBM bandwidth and peak per-direction link "
     "bandwidth, zero latency, and let compute, memory traffic and communication overlap fully",
-    "compute bounds count matmul FLOPs only, with causal attention over unmasked pairs only",
+    "compute bounds count matmul FLOPs only, with causal attention over unmasked pairs only (at most "
+    "the sliding window per query where the model has one); decode reads the K/V of the attended keys",
     "communication bounds count unavoidable bytes (an all-reduce must bring N bytes into each "
     "device even with in-network reduction), not ring bytes; ring bytes are listed per item",
     "memory: mixed-precision Adam (16 bytes/parameter at 16-bit), activations per Korthikanti et "
@@ -63,6 +64,7 @@ class PlanReport:
     prefill_time_lower_bound_s: float | None = None
     kv_transfer: dict | None = None
     kv_transfer_time_lower_bound_s: float | None = None
+    inference_flops: dict | None = None
     estimates: dict | None = None
     assumptions: list = field(default_factory=lambda: list(ASSUMPTIONS))
 
@@ -217,11 +219,16 @@ def _decode_items(c: _Ctx) -> list[CommItem]:
 
 def _fill_inference(report: PlanReport, c: _Ctx, kv_link, kv_tokens) -> None:
     m, lay, e, b = c.model, c.layout, c.layout.bytes_per_elem, c.layout.micro_batch
-    # a decode step reads every layer's weights and the LM head matrix (the embedding is a lookup)
+    # a decode step reads every layer's weights and the LM head matrix (the embedding is a lookup),
+    # and the cached K/V of the keys each layer attends to (at most the window in windowed layers)
     weights = e * (m.layers * layer_params(m, lay.tp) + m.norm_params + ceil_div(m.vocab, lay.tp) * m.hidden)
-    kv_read = b * m.seq * report.kv_cache_bytes_per_token["per_device"] * lay.pp
+    kv_read = b * m.attended_keys(m.seq) * report.kv_cache_bytes_per_token["per_device"] * lay.pp
+    decode_flops = F.decode_flops_per_token(m, b, m.seq)
+    report.inference_flops = {"decode_step": decode_flops,
+                              "prefill_micro_batch": F.prefill_flops(m, b, m.seq),
+                              "prefill_global_batch": F.prefill_flops(m, lay.global_batch, m.seq)}
     terms = {"hbm_s": memory_time_lower_bound(weights + kv_read, c.hw.hbm_bytes_per_s),
-             "compute_s": compute_time_lower_bound(F.decode_flops_per_token(m, b, m.seq), lay.tp, c.peak),
+             "compute_s": compute_time_lower_bound(decode_flops, lay.tp, c.peak),
              "comm_s": comm_time_lower_bound(_decode_items(c), c.placement, lay.pp, c.intra, c.inter)["total_s"],
              "weight_bytes_read_per_device": weights, "kv_bytes_read_per_device": kv_read}
     decode = max(terms["hbm_s"], terms["compute_s"], terms["comm_s"])

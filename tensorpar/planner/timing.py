@@ -92,5 +92,6 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int) -> float:
 
 def decode_bytes_read_per_device(weight_bytes: float, kv_bytes: float) -> float:
     """Bytes a decode step must read on one device: its weights (every one takes part in every
-    token) plus the KV cache of the whole context (Pope et al. 2022, Sec. 2; Kwon et al. 2023)."""
+    token) plus the cached K/V of the keys attended to: the whole context, or the window in
+    sliding-window layers (Pope et al. 2022, Sec. 2; Kwon et al. 2023)."""
     return weight_bytes + kv_bytes
