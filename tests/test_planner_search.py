@@ -117,3 +117,39 @@ def test_tp_sweep_memory_falls_and_comm_rises():
     weights = [r["memory_per_device"]["weights"] for r in rows]
     comm = [r["comm_bytes_per_device_per_step"]["tp"] for r in rows]
     assert weights == sorted(weights, reverse=True) and comm[0] == 0 and comm == sorted(comm)
+
+
+def test_tp_across_nodes_is_explained_by_the_bound_when_within_node_layouts_fit():
+    res = search(get_model("llama-2-70b"), H100, devices=16, workload="inference", micro_batch=8)
+    assert res.best["tp"] == 16
+    inside = [c for c in res.candidates if c["feasible"] and c["tp"] <= 8]
+    assert {(c["tp"], c["pp"], c["dp"]) for c in inside} >= {(8, 2, 1), (8, 1, 2)}
+    text = " ".join(res.explanation)
+    assert "no layout with tp within a node fits" not in text
+    assert "yet it won on the lower bound" in text and f"tp={inside[0]['tp']}, pp={inside[0]['pp']}" in text
+
+
+def test_tp_across_nodes_when_nothing_within_a_node_fits():
+    one_layer = ModelSpec(family="llama", layers=1, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000,
+                          seq=4096)  # 1.7 GB per device at tp=4, 2.9 GB or more at tp <= 2
+    small = H100.with_overrides(mem_bytes=2e9, devices_per_node=2)
+    res = search(one_layer, small, devices=4, workload="inference")
+    assert res.best["tp"] == 4 and not any(c["feasible"] and c["tp"] <= 2 for c in res.candidates)
+    assert "no layout with tp within a node fits" in res.explanation[1]
+
+
+def test_a_tie_on_the_bound_says_the_estimate_decides():
+    res = search(get_model("llama-2-13b"), get_hardware("a100-80gb"), devices=16, workload="inference",
+                 micro_batch=4)
+    best, runner = res.candidates[0], res.candidates[1]
+    assert best["bound_s"] == pytest.approx(runner["bound_s"], rel=1e-9) and best["estimate_s"] < runner["estimate_s"]
+    assert "so the estimate decides" in res.explanation[0] and "lowest" not in res.explanation[0]
+    untied = search(get_model("llama-2-70b"), H100, devices=16, workload="inference", micro_batch=8)
+    assert untied.explanation[0].startswith("Choose tp=16, pp=1, dp=1: lowest decode latency per token")
+
+
+def test_padding_fixes_are_listed_only_for_a_split_the_heads_allow():
+    m = ModelSpec(family="gpt", layers=2, hidden=64, heads=8, ffn=100, vocab=50257, seq=32)
+    r = plan(m, Layout(tp=3), H100)  # heads 8 do not split in 3, so padding ffn and vocab would not help
+    assert not r.feasible and r.fixes == [] and "must divide heads (8)" in r.reasons[0]
+    assert [f["dimension"] for f in plan(m, Layout(tp=8), H100).fixes] == ["ffn", "vocab"]

@@ -27,7 +27,8 @@ def clean_tp_sizes(model: ModelSpec) -> list[int]:
 
 
 def divisibility(model: ModelSpec, layout: Layout) -> tuple[list[str], list[dict]]:
-    """Reasons the split cannot run, and the fixes applied (with their cost)."""
+    """Reasons the split cannot run, and the fixes applied (with their cost). When tp cannot split
+    the heads no fix is listed: padding ffn or the vocabulary would not make it run."""
     t, reasons, fixes = layout.tp, [], []
     valid = ", ".join(map(str, valid_tp_sizes(model)))
     if model.heads % t:
@@ -37,10 +38,11 @@ def divisibility(model: ModelSpec, layout: Layout) -> tuple[list[str], list[dict
                        f"valid tp sizes: {valid}")
     elif model.kv_heads % t:
         fixes.append(_kv_replication_fix(model, layout))
-    if model.ffn % t:
-        fixes.append(_ffn_padding_fix(model, layout))
-    if model.vocab % t:
-        fixes.append(_vocab_padding_fix(model, layout))
+    if not reasons:  # padding only helps a split the heads allow
+        if model.ffn % t:
+            fixes.append(_ffn_padding_fix(model, layout))
+        if model.vocab % t:
+            fixes.append(_vocab_padding_fix(model, layout))
     if layout.sequence_parallel and model.seq % t:
         reasons.append(f"sequence parallelism splits seq ({model.seq}) over tp ({t}); "
                        f"valid seq: multiples of {t}")

@@ -26,6 +26,7 @@ Sources (vendor datasheets; where the PDF was not at hand, the secondary reprodu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 GB = 1e9
@@ -112,8 +113,8 @@ class Hardware:
 
 
 def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} ({value!r}) must be a positive finite number")
 
 
 _A100_SRC = "NVIDIA A100 datasheet / whitepaper; DGX A100 user guide"

@@ -10,6 +10,7 @@ pipeline parallelism across nodes; use data parallelism for the rest.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from .feasibility import valid_tp_sizes
@@ -36,18 +37,20 @@ class SearchResult:
 
 
 def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: int = 1,
-           global_batch: int | None = None, workload: str = "train", **layout_options) -> SearchResult:
+           global_batch: int | None = None, workload: str = "train", latency_s: float = 10e-6,
+           **layout_options) -> SearchResult:
     """Every ``tp x pp x dp = devices`` layout, planned and ranked (feasible first).
 
     ``global_batch`` is fixed across layouts (default ``micro_batch x devices``) so that every
-    layout does the same work; ``layout_options`` are the other :class:`Layout` fields.
+    layout does the same work; ``latency_s`` is the per-collective latency of the estimates
+    (never of the bounds); ``layout_options`` are the other :class:`Layout` fields.
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices ({devices!r}) must be a positive integer")
     gb = micro_batch * devices if global_batch is None else global_batch
     Layout(micro_batch=micro_batch, global_batch=gb, workload=workload, **layout_options)  # validate once
-    rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, layout_options)
-            for tp in divisors(devices) for pp in divisors(devices // tp)]
+    rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, latency_s,
+                       layout_options) for tp in divisors(devices) for pp in divisors(devices // tp)]
     objective = "step_time" if workload == "train" else "decode_time_per_token"
     rows.sort(key=lambda r: (not r["feasible"], r["bound_s"] if r["bound_s"] is not None else float("inf"),
                              r["estimate_s"] if r["estimate_s"] is not None else float("inf"), r["tp"], r["pp"]))
@@ -59,14 +62,14 @@ def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: i
     return result
 
 
-def _candidate(model, hardware, tp, pp, dp, micro_batch, gb, workload, options) -> dict:
+def _candidate(model, hardware, tp, pp, dp, micro_batch, gb, workload, latency_s, options) -> dict:
     row = {"tp": tp, "pp": pp, "dp": dp}
     try:
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=gb, workload=workload, **options)
     except ValueError as exc:
         return {**row, "feasible": False, "reasons": [str(exc)], "bound_s": None, "estimate_s": None,
                 "memory_per_device_bytes": None, "comm_bytes_per_device_per_step": None, "fixes": []}
-    r = plan(model, layout, hardware)
+    r = plan(model, layout, hardware, latency_s=latency_s)
     return {**row, **_summary(r, workload)}
 
 
@@ -84,28 +87,47 @@ def _summary(r: PlanReport, workload: str) -> dict:
 
 def explain(result: SearchResult, hardware: Hardware) -> list[str]:
     """The choice in plain words: what was picked, why, what was rejected, when tp > 1 loses."""
-    best, k = result.best, result.devices_per_node
-    rows = result.candidates
+    best, rows = result.best, result.candidates
     if best is None:
         first = rows[0]["reasons"][0] if rows and rows[0]["reasons"] else "no layout"
         return [f"No layout of {result.devices} devices is feasible; for example tp={rows[0]['tp']}, "
                 f"pp={rows[0]['pp']}, dp={rows[0]['dp']}: {first}"]
-    what = "step time" if result.objective == "step_time" else "decode latency per token"
-    lines = [f"Choose tp={best['tp']}, pp={best['pp']}, dp={best['dp']}: lowest {what} "
-             f"(lower bound {_ms(best['bound_s'])}, estimate {_ms(best['estimate_s'])}) among "
-             f"{sum(r['feasible'] for r in rows)} feasible of {len(rows)} layouts."]
-    lines.append(_tp_node_line(best, hardware))
+    feasible = [r for r in rows if r["feasible"]]
+    lines = [_choice_line(best, feasible, result.objective, len(rows))]
+    lines.append(_tp_node_line(best, feasible, hardware))
     rejected = [r for r in rows if not r["feasible"]]
     if rejected:
         smaller = [r for r in rejected if r["tp"] < best["tp"] and r["reasons"]]
         example = (smaller or rejected)[0]
-        lines.append(f"{len(rejected)} layouts rejected, e.g. tp={example['tp']}, pp={example['pp']}, "
-                     f"dp={example['dp']}: {example['reasons'][0]}")
+        lines.append(f"{len(rejected)} layouts rejected, e.g. {_name(example)}: {example['reasons'][0]}")
     lines += _slower_than_one_device(rows, result.objective)
     return lines
 
 
-def _tp_node_line(best: dict, hw: Hardware) -> str:
+def _name(row: dict) -> str:
+    return f"tp={row['tp']}, pp={row['pp']}, dp={row['dp']}"
+
+
+def _ties(best: dict, feasible: list[dict]) -> list[dict]:
+    """Other feasible layouts whose bound equals the best's (to rounding)."""
+    return [r for r in feasible if r is not best and math.isclose(r["bound_s"], best["bound_s"], rel_tol=1e-9)]
+
+
+def _choice_line(best: dict, feasible: list[dict], objective: str, n_rows: int) -> str:
+    what = "step time" if objective == "step_time" else "decode latency per token"
+    among = f"among {len(feasible)} feasible of {n_rows} layouts"
+    ties = _ties(best, feasible)
+    if not ties:
+        return (f"Choose {_name(best)}: lowest {what} (lower bound {_ms(best['bound_s'])}, estimate "
+                f"{_ms(best['estimate_s'])}) {among}.")
+    runner = ties[0]
+    others = f"{len(ties)} other layouts" if len(ties) > 1 else _name(runner)
+    return (f"Choose {_name(best)}: it ties with {others} on the lower bound of the {what} "
+            f"({_ms(best['bound_s'])}), so the estimate decides: {_ms(best['estimate_s'])} against "
+            f"{_ms(runner['estimate_s'])} for the runner-up {_name(runner)}, {among}.")
+
+
+def _tp_node_line(best: dict, feasible: list[dict], hw: Hardware) -> str:
     k, tp = hw.devices_per_node, best["tp"]
     if tp == 1:
         return "tp=1: the model fits without tensor parallelism, so no per-layer collectives are needed."
@@ -113,8 +135,17 @@ def _tp_node_line(best: dict, hw: Hardware) -> str:
         return (f"tp={tp} stays within a node ({k} devices), so every layer's collectives use "
                 f"{hw.intra_node_link} at {hw.intra_node_bytes_per_s / 1e9:.0f} GB/s per direction rather than "
                 f"the inter-node network at {hw.inter_node_bytes_per_s / 1e9:.0f} GB/s.")
-    return (f"tp={tp} spans nodes ({k} devices per node): every layer's collectives cross the "
-            f"{hw.inter_node_bytes_per_s / 1e9:.0f} GB/s network; no layout with tp within a node fits.")
+    spans = (f"tp={tp} spans nodes ({k} devices per node): every layer's collectives cross the "
+             f"{hw.inter_node_bytes_per_s / 1e9:.0f} GB/s network")
+    inside = [r for r in feasible if r["tp"] <= k]
+    if not inside:
+        return spans + "; no layout with tp within a node fits."
+    alt = inside[0]  # feasible rows are ranked, so this is the best within a node
+    estimate = ("and on the estimate" if alt["estimate_s"] >= best["estimate_s"]
+                else "though the estimate favours the within-node layout")
+    return (f"{spans}, yet it won on the lower bound {estimate}: {_ms(best['bound_s'])} (estimate "
+            f"{_ms(best['estimate_s'])}) against {_ms(alt['bound_s'])} (estimate {_ms(alt['estimate_s'])}) "
+            f"for the best layout with tp within a node, {_name(alt)}.")
 
 
 def _slower_than_one_device(rows: list[dict], objective: str) -> list[str]:
@@ -151,11 +182,13 @@ def _ms(seconds: float | None) -> str:
 
 def tp_sweep(model: ModelSpec, layout: Layout, hardware: Hardware) -> list[dict]:
     """Memory per device and communication per step for every valid tp, the rest of ``layout``
-    unchanged (the data behind ``tensorpar plan --plot``)."""
+    unchanged, so the device count ``tp x pp x dp`` grows with tp (the data behind
+    ``tensorpar plan --plot``)."""
     rows = []
     for tp in valid_tp_sizes(model):
         r = plan(model, replace(layout, tp=tp), hardware)
-        rows.append({"tp": tp, "feasible": r.feasible, "memory_per_device": r.memory_per_device,
+        rows.append({"tp": tp, "devices": tp * layout.pp * layout.dp, "feasible": r.feasible,
+                     "memory_per_device": r.memory_per_device,
                      "comm_bytes_per_device_per_step": r.comm["bytes_sent_per_device_per_step"],
                      "step_time_lower_bound_s": r.step_time_lower_bound_s,
                      "decode_time_per_token_lower_bound_s": r.decode_time_per_token_lower_bound_s})
