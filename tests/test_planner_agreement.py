@@ -259,3 +259,28 @@ def test_unsupported_configs_are_refused_not_guessed():
         predict_collectives(_config("llama") | {"mlp_bias": True}, 2, 1, 4, 4)
     with pytest.raises(ValueError, match=r"hf_config must be a dict \(config.to_dict\(\)\)"):
         predict_collectives("llama", 2, 1, 4, 4)
+
+
+_TINY_LLAMA = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=50, max_position_embeddings=64)
+_TINY_GPT = dict(n_embd=32, n_head=4, n_layer=2, n_positions=16, vocab_size=50)
+HF_SHAPES = [  # every model type the planner reads from a config.json, and the options that change counts
+    ("llama", _TINY_LLAMA), ("llama", _TINY_LLAMA | {"tie_word_embeddings": True}),
+    ("mistral", _TINY_LLAMA | {"sliding_window": 8}), ("qwen2", _TINY_LLAMA),
+    ("qwen3", _TINY_LLAMA | {"head_dim": 16}), ("gpt2", _TINY_GPT), ("gpt2", _TINY_GPT | {"n_inner": 40}),
+    ("gpt_bigcode", _TINY_GPT | {"multi_query": True}), ("gpt_bigcode", _TINY_GPT | {"multi_query": False}),
+]
+
+
+@pytest.mark.parametrize("kind, fields", HF_SHAPES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(HF_SHAPES)])
+def test_count_params_equals_the_transformers_modules(kind, fields):
+    """``count_params`` of ``from_hf_dict(config.to_dict())`` equals the parameters of the
+    ``*ForCausalLM`` transformers builds from the same config (tied tensors once), exactly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tensorpar.planner import count_params, from_hf_dict
+
+    config = AutoConfig.for_model(kind, **fields)
+    with torch.device("meta"):  # shapes only, no memory
+        model = AutoModelForCausalLM.from_config(config)
+    assert count_params(from_hf_dict(config.to_dict())) == sum(p.numel() for p in model.parameters())

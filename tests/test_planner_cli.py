@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from tensorpar.cli import main
+from tensorpar.cli.plan import sweep_title, why_not
 
 REQUIRED = ("params", "params_per_device", "flops_per_iteration", "hardware_flops_per_iteration",
             "activation_bytes_per_layer", "kv_cache_bytes_per_token", "memory_per_device", "comm",
@@ -79,7 +80,16 @@ def test_plot_writes_a_png(capsys, tmp_path):
     (["--family", "gpt", "--layers", "2"], "missing: --hidden, --heads, --vocab, --seq"),
     (["--model", "llama-2-7b", "--intra-node-link", "ib"], "must be one of a100-80gb's links: nvlink, pcie"),
     (["--model", "llama-2-7b", "--kv-link", "wifi"], "kv_link ('wifi') must be one of: inter-node, intra-node"),
-    (["--model", "llama-2-7b", "--peak-tflops", "0"], "must be a positive number"),
+    (["--model", "llama-2-7b", "--peak-tflops", "0"], "--peak-tflops (0) must be a positive finite number"),
+    (["--model", "llama-2-7b", "--memory-gb", "-5"], "--memory-gb (-5) must be a positive finite number"),
+    (["--model", "llama-2-7b", "--peak-tflops", "inf"], "--peak-tflops (inf) must be a positive finite number"),
+    (["--model", "llama-2-7b", "--hbm-gbps", "nan"], "--hbm-gbps (nan) must be a positive finite number"),
+    (["--model", "llama-2-7b", "--inter-node-gbps", "-1"], "--inter-node-gbps (-1) must be a positive finite"),
+    (["--model", "llama-2-7b", "--devices-per-node", "0"], "--devices-per-node (0) must be a positive integer"),
+    (["--model", "llama-2-7b", "--kv-link", "inf"], "--kv-link (inf) must be a positive finite GB/s"),
+    (["--model", "llama-2-7b", "--collective-latency-us", "inf"], "--collective-latency-us (inf) must be a finite"),
+    (["--model", "llama-2-7b", "--search", "--devices", "2", "--collective-latency-us", "-1"],
+     "--collective-latency-us (-1) must be a finite number >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     rc, out, err = _run(capsys, *argv)
@@ -108,3 +118,47 @@ def test_cli_module_imports_rich_and_matplotlib_lazily():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_why_not_keeps_the_reason_and_drops_the_list_of_choices():
+    assert why_not(["pp (32) must divide layers (80); valid pp sizes: 1, 2, 4, 5, 8, 10, 16, 20, 40, 80"]) == \
+        "pp (32) must divide layers (80)"
+    memory = ("memory per device 166.84 GB exceeds capacity 80.00 GB (weights 34.75, gradients 34.75, optimizer "
+              "26.06, activations 5.37, kv cache 0.00 GB); try: --zero-stage 2")
+    assert why_not([memory, "pp (3) must divide layers (80)"]) == \
+        "memory per device 166.84 GB exceeds capacity 80.00 GB (+1 more)"
+    long = "x" * 100
+    assert why_not([long]) == "x" * 59 + "…" and why_not([]) == ""
+
+
+def test_search_text_shows_whole_reasons(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-2-70b", "--search", "--devices", "32", "--hardware", "h100-sxm",
+                      "--global-batch", "64", "--zero-stage", "1", "--recompute", "full", "--sequence-parallel")
+    words = " ".join(out.split())  # rich wraps long lines
+    assert rc == 0 and "pp (32) must divide layers (80)" in out and "so the estimate decides" in words
+
+
+def test_inference_report_labels_what_it_counts(capsys, tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 131072}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "--model", str(tmp_path), "--workload", "inference", "--micro-batch", "2", "--dp", "2")
+    words = " ".join(out.split())  # rich wraps long lines
+    assert rc == 0
+    assert f"seq 131072 (max_position_embeddings in {tmp_path / 'config.json'})" in words
+    assert "FLOPs: prefill of the global batch (4 x 131072 tokens) / one decode step (2 tokens)" in words
+    assert "here a step is the prefill of the global batch, 4 x 131072 tokens" in words
+    assert "with recompute" not in words
+    rc, out, _ = _run(capsys, "--model", str(tmp_path), "--seq", "512")
+    words = " ".join(out.split())
+    assert rc == 0 and "seq 512 (--seq)" in words and "FLOPs per iteration, fwd + bwd" in words
+
+
+def test_plot_title_says_when_the_device_count_changes():
+    from tensorpar.planner import Layout, get_hardware, get_model
+    from tensorpar.planner.search import tp_sweep
+
+    m, hw, base = get_model("llama-2-7b"), get_hardware("h100-sxm"), Layout(pp=2)
+    title = sweep_title(m, hw, base, tp_sweep(m, base, hw))
+    assert title.endswith("devices (tp x pp x dp) grow with tp: 2 to 64")
+    assert "grow" not in sweep_title(m, hw, base, tp_sweep(m, base, hw)[:1])

@@ -8,6 +8,7 @@ PATH`` writes a PNG of memory per device and communication per step against tp. 
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 from tensorpar import planner as P
@@ -63,10 +64,14 @@ def add_parser(subparsers) -> None:
 def build_model(args) -> P.ModelSpec:
     """The model from ``--model`` (shape options override it) or from the shape options alone."""
     given = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
+    if "seq" in given:
+        given["seq_source"] = "--seq"
     if args.model:
         base = P.get_model(args.model).to_dict()
         if "hidden" in given or "heads" in given:
             base["head_dim"] = given.get("head_dim")  # re-derived unless given
+        if "layers" in given and base["window_layers"] == base["layers"]:
+            base["window_layers"] = None  # a window in every layer stays in every layer
         return P.ModelSpec(**{**base, **given})
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if k not in given]
     if missing:
@@ -75,7 +80,22 @@ def build_model(args) -> P.ModelSpec:
     return P.ModelSpec(**given)
 
 
+_HW_FLAGS = (("peak_tflops", "--peak-tflops"), ("hbm_gbps", "--hbm-gbps"), ("memory_gb", "--memory-gb"),
+             ("intra_node_gbps", "--intra-node-gbps"), ("inter_node_gbps", "--inter-node-gbps"))
+
+
+def check_hardware_flags(args) -> None:
+    """Each hardware figure typed on the command line is a positive finite number (named by its flag)."""
+    for attr, flag in _HW_FLAGS:
+        value = getattr(args, attr)
+        if value is not None and not 0 < value < math.inf:
+            raise ValueError(f"{flag} ({value:g}) must be a positive finite number")
+    if args.devices_per_node is not None and args.devices_per_node < 1:
+        raise ValueError(f"--devices-per-node ({args.devices_per_node}) must be a positive integer")
+
+
 def build_hardware(args) -> P.Hardware:
+    check_hardware_flags(args)
     base = P.get_hardware(args.hardware)
     if args.intra_node_link is not None and args.intra_node_link not in base.links:
         raise ValueError(f"--intra-node-link ({args.intra_node_link!r}) must be one of {base.name}'s links: "
@@ -97,11 +117,22 @@ def layout_options(args) -> dict:
 
 
 def kv_link(value: str):
+    """A link name, or GB/s (a positive finite number)."""
     try:
         gbps = float(value)
     except ValueError:
         return value
+    if not 0 < gbps < math.inf:
+        raise ValueError(f"--kv-link ({value}) must be a positive finite GB/s or a link name: inter-node, "
+                         "intra-node, or one of the hardware's links")
     return gbps * 1e9
+
+
+def latency_s(args) -> float:
+    us = args.collective_latency_us
+    if not 0 <= us < math.inf:
+        raise ValueError(f"--collective-latency-us ({us:g}) must be a finite number >= 0")
+    return us * 1e-6
 
 
 def main(args) -> int:
@@ -115,10 +146,8 @@ def main(args) -> int:
             raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
                              f"--devices ({args.devices}); valid: layouts whose product is {args.devices} "
                              "(or use --search)")
-        if args.collective_latency_us < 0:
-            raise ValueError(f"--collective-latency-us ({args.collective_latency_us}) must be >= 0")
         result = P.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
-                        latency_s=args.collective_latency_us * 1e-6)
+                        latency_s=latency_s(args))
     if args.plot:
         _plot(args, model, hardware, result)
     if args.json:
@@ -132,7 +161,8 @@ def run_search(args, model, hardware) -> P.SearchResult:
     if args.devices is None:
         raise ValueError("--search needs --devices N (the number of devices to lay out)")
     return P.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
-                    global_batch=args.global_batch, workload=args.workload, **layout_options(args))
+                    global_batch=args.global_batch, workload=args.workload, latency_s=latency_s(args),
+                    **layout_options(args))
 
 
 def _plot(args, model, hardware, result) -> None:
@@ -148,8 +178,18 @@ def _plot(args, model, hardware, result) -> None:
                         workload=args.workload, **layout_options(args))
     else:
         base = P.Layout(**{k: v for k, v in result.layout.items() if k not in ("devices", "num_micro_batches")})
-    plot_tp_sweep(tp_sweep(model, base, hardware), args.plot,
-                  title=f"{model.name} on {hardware.name}, pp={base.pp}, dp={base.dp}, micro-batch {base.micro_batch}")
+    rows = tp_sweep(model, base, hardware)
+    step = "per step" if base.workload == "train" else "per prefill of the global batch"
+    plot_tp_sweep(rows, args.plot, title=sweep_title(model, hardware, base, rows),
+                  devices_per_node=hardware.devices_per_node, step=step)
+
+
+def sweep_title(model, hardware, base, rows) -> str:
+    """The plot's title; it says so when the sweep changes the device count (pp and dp held)."""
+    title = f"{model.name} on {hardware.name}, pp={base.pp}, dp={base.dp}, micro-batch {base.micro_batch}"
+    if len({r["devices"] for r in rows}) > 1:
+        title += f"\ndevices (tp x pp x dp) grow with tp: {rows[0]['devices']} to {rows[-1]['devices']}"
+    return title
 
 
 # ---- text report (rich, imported only here) ------------------------------------------------------
@@ -173,7 +213,7 @@ def _render_plan(console, r: P.PlanReport) -> None:
     console.print(f"[bold]{m['name']}[/] ({m['family']}, {r.params:,} parameters) on [bold]{hw['name']}[/]: "
                   f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ({lay['devices']} devices), {lay['workload']}, "
                   f"{lay['dtype']}, micro-batch {lay['micro_batch']}, global batch {lay['global_batch']}, "
-                  f"seq {m['seq']}, recompute {lay['recompute']}"
+                  f"seq {m['seq']} ({m['seq_source']}), recompute {lay['recompute']}"
                   + (", sequence parallel" if lay["sequence_parallel"] else ""))
     console.print("[green]feasible[/]" if r.feasible else "[bold red]NOT feasible[/]")
     for line in r.reasons:
@@ -205,13 +245,25 @@ def _summary_table(r):
     t = _table("model and split", "", "value")
     kv = r.kv_cache_bytes_per_token
     t.add_row("parameters / per device", f"{r.params:,} / {r.params_per_device:,}")
-    t.add_row("FLOPs per iteration (model / with recompute)",
-              f"{r.flops_per_iteration:.4g} / {r.hardware_flops_per_iteration:.4g}")
+    t.add_row(*_flops_row(r))
     t.add_row("activations per layer per device (one micro-batch)", _bytes(r.activation_bytes_per_layer))
     t.add_row("KV cache per token (total / per device)", f"{_bytes(kv['total'])} / {_bytes(kv['per_device'])}"
               + (f" (kv heads replicated {kv['replication']}x)" if kv["replication"] > 1 else ""))
     t.add_row("valid tp sizes", ", ".join(map(str, r.valid_tp_sizes)))
     return t
+
+
+def _flops_row(r) -> tuple[str, str]:
+    """Training: model / hardware FLOPs of one iteration; inference: the prefill of the global
+    batch and one decode step."""
+    lay, m = r.layout, r.model
+    if lay["workload"] == "train":
+        return (f"FLOPs per iteration, fwd + bwd (model / hardware with recompute {lay['recompute']})",
+                f"{r.flops_per_iteration:.4g} / {r.hardware_flops_per_iteration:.4g}")
+    f = r.inference_flops
+    return (f"FLOPs: prefill of the global batch ({lay['global_batch']} x {m['seq']} tokens) / "
+            f"one decode step ({lay['micro_batch']} tokens)",
+            f"{f['prefill_global_batch']:.4g} / {f['decode_step']:.4g}")
 
 
 def _memory_table(mem):
@@ -249,7 +301,8 @@ def _memory_bar(mem, width: int = 60):
 
 def _comm_table(r):
     c = r.comm
-    t = _table(f"communication per step, one device of stage {c['stage']} (ring bytes sent)",
+    step = "per step" if r.layout["workload"] == "train" else "per step (prefill of the global batch)"
+    t = _table(f"communication {step}, one device of stage {c['stage']} (ring bytes sent)",
                "group", "op", "where", "phase", "payload N", "sent/device", "count", "total sent")
     for i in c["per_step"]:
         phase = i["phase"] + (" (recomputed)" if i["recomputed"] else "")
@@ -260,15 +313,22 @@ def _comm_table(r):
 
 
 def _time_table(r):
-    t = _table("time: lower bounds (no system beats them) and estimates (not bounds)", "bound", "lower bound", "estimate")
+    title = "time: lower bounds (no system beats them) and estimates (not bounds)"
+    if r.layout["workload"] != "train":
+        title += (f"; here a step is the prefill of the global batch, {r.layout['global_batch']} x "
+                  f"{r.model['seq']} tokens")
+    t = _table(title, "bound", "lower bound", "estimate")
     e, by = r.estimates, r.comm_time_lower_bound_by_link
     t.add_row("compute per step", _s(r.compute_time_lower_bound_s), "")
     t.add_row(f"communication per step (intra {_s(by['intra_node_s'])}, inter {_s(by['inter_node_s'])})",
               _s(r.comm_time_lower_bound_s), _s(e["comm_time_s"]))
     t.add_row(f"step (pipeline bubble {e['pipeline_bubble_fraction']:.0%} in the estimate)",
               _s(r.step_time_lower_bound_s), _s(e["step_time_s"]))
-    ceiling = r.decode_steps_per_s_upper_bound
-    t.add_row(f"decode per token (<= {ceiling:,.0f} steps/s)" if ceiling else "decode per token",
+    ceiling, m = r.decode_steps_per_s_upper_bound, r.model
+    label = f"decode per token, context {m['seq']}"
+    if m["sliding_window"] is not None:
+        label += f" (window {m['sliding_window']} in {m['window_layers']} of {m['layers']} layers)"
+    t.add_row(label + (f" (<= {ceiling:,.0f} steps/s)" if ceiling else ""),
               _s(r.decode_time_per_token_lower_bound_s), _s(e["decode_time_per_token_s"]))
     t.add_row(f"prefill of {r.model['seq']} tokens x {r.layout['micro_batch']}", _s(r.prefill_time_lower_bound_s), "")
     kv = r.kv_transfer
@@ -279,16 +339,30 @@ def _time_table(r):
 
 def _render_search(console, s: P.SearchResult) -> None:
     unit = "step" if s.objective == "step_time" else "decode per token"
+    comm_col = "comm/step" if s.objective == "step_time" else "comm/prefill"
     t = _table(f"{s.devices} devices, {s.devices_per_node} per node: layouts ranked by {unit}",
-               "tp", "pp", "dp", "feasible", "lower bound", "estimate", "memory/device", "comm/step", "why not")
+               "tp", "pp", "dp", "feasible", "lower bound", "estimate", "memory/device", comm_col, "why not")
     for r in s.candidates:
         mem = "" if r["memory_per_device_bytes"] is None else _bytes(r["memory_per_device_bytes"])
         comm = "" if r["comm_bytes_per_device_per_step"] is None else _bytes(r["comm_bytes_per_device_per_step"])
         t.add_row(str(r["tp"]), str(r["pp"]), str(r["dp"]), "yes" if r["feasible"] else "[red]no[/]",
-                  _s(r["bound_s"]), _s(r["estimate_s"]), mem, comm, (r["reasons"] or [""])[0].split(" (")[0])
+                  _s(r["bound_s"]), _s(r["estimate_s"]), mem, comm, why_not(r["reasons"]))
     console.print(t)
     for line in s.explanation:
         console.print(f"- {line}")
+
+
+def why_not(reasons: list[str], width: int = 60) -> str:
+    """The first reason up to its first ";" (the list of valid choices follows it); when that is
+    longer than ``width``, without its last parenthetical that starts within ``width`` (the
+    memory breakdown), else cut with "…"; and how many more reasons there are."""
+    if not reasons:
+        return ""
+    text = reasons[0].split(";")[0]
+    if len(text) > width:
+        aside = text.rfind(" (", 0, width)
+        text = text[:aside] if aside > width // 3 else text[:width - 1].rstrip() + "…"
+    return text + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else "")
 
 
 def _bytes(n) -> str:
