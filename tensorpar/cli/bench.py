@@ -51,7 +51,9 @@ def main(args) -> int:
         rows = run_models_bench(args.repeats)
         results["models"] = rows
         (out / "models.md").write_text(models_table(rows))
-        files.append(out / "models.md")
+        files += [out / "models.md", report.plot_ratios(rows, out / "models.png", {
+            "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
+            "~25M Llama, tp=2")]
     files.append(report.write_json(results, out / "results.json"))
     if args.json:
         print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
