@@ -1,8 +1,9 @@
 """Column-, row- and vocab-parallel layers and the vocab-parallel cross-entropy on real gloo ranks.
 
 One launch of 4 ranks; inside it every case runs on groups of size 1 (rank 3 alone), 2
-(sub-groups {0,1} and {2,3}) and 4 (the world group, tp_group=None). Each rank compares its output, input gradient and
-parameter-gradient shards with the dense torch module built from the same seed.
+(sub-groups {0,1} and {2,3}) and 4 (the world group, tp_group=None). Each rank compares its
+output, input gradient and parameter-gradient shards with the dense torch module built from the
+same seed.
 
 Tolerances (relative to the largest reference entry): float64 1e-10, float32 1e-5. The sharded
 and dense computations sum the same products in different orders over at most 64 terms, so the

@@ -6,8 +6,8 @@ parallel, and tensor + sequence parallel; loss and every gradient must agree (fl
 relative, as in test_nn_layers.py). Two variants: no biases, and biases everywhere (q/k/v, o_proj,
 the MLP, the LM head) with a per-head attention mask, so that under sequence parallelism the
 row-parallel bias gradients (partial over each rank's tokens) must be all-reduced, and a mask
-over the full sequence is cut to each rank's heads. Dropout: replicated activations get one mask on every rank,
-sharded activations a different mask on every rank.
+over the full sequence is cut to each rank's heads. Dropout: replicated activations get one
+mask on every rank, sharded activations a different mask on every rank.
 """
 import copy
 
@@ -77,8 +77,8 @@ def sp_case(group, variant):
     ids, target = torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g)
     mask = None if variant == "plain" else head_mask(B, 4, T, seed=5)
     dense = dense_model(seed=11, bias=variant == "bias")
-    loss_d = run(dense, ids, target, lambda z, t: F.cross_entropy(z.reshape(-1, VOCAB), t.reshape(-1)),
-                 mask)
+    loss_d = run(dense, ids, target,
+                 lambda z, t: F.cross_entropy(z.reshape(-1, VOCAB), t.reshape(-1)), mask)
     out = {}
     for sp in (False, True):
         model = parallel_model(dense, group, sp)
@@ -136,8 +136,8 @@ def test_transformer_layer_equals_dense_with_and_without_sequence_parallelism(re
 
 def _bias_reductions(records):
     """Under SP, the row-parallel linears' bias gradients: all-reduces in their backward."""
-    return sorted((mod, b) for op, ph, mod, b in records
-                  if mod in ("attn.o_proj", "mlp.down_proj") and op == "all_reduce" and ph == "backward")
+    return sorted((mod, b) for op, ph, mod, b in records if op == "all_reduce"
+                  and ph == "backward" and mod in ("attn.o_proj", "mlp.down_proj"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -80,8 +80,8 @@ def _bad_calls(g):
         ("attention: mask 5-d", lambda: attn(x16, attn_mask=mask[None]), "(1, 4, 3, 3)"),
         ("attention: sp mask is over the full T", lambda: attn_sp(x16_sp, attn_mask=mask[..., :2, :2]),
          "(B, n_heads, T, S) = (1, 4, 4, 4)"),
-        ("attention: sp mask after a cache", lambda: attn_sp(x16_sp, cache=_cache(1, 1, 2, 4),
-                                                             attn_mask=torch.ones(1, 4, 4, 4, dtype=torch.bool)),
+        ("attention: sp mask after a cache",  # T = 4 queries, S = 2 cached + 4 keys
+         lambda: attn_sp(x16_sp, cache=_cache(1, 1, 2, 4), attn_mask=mask[..., :1, :1].expand(1, 4, 4, 4)),
          "= (1, 4, 4, 6)"),
         ("attention: sp cache batch", lambda: attn_sp(x16_sp, cache=_cache(3, 1, 2, 4)), "needs batch 1"),
         ("attention: sp cache heads", lambda: attn_sp(x16_sp, cache=_cache(1, 2, 2, 4)), "1 KV heads"),
