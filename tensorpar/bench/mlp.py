@@ -18,7 +18,7 @@ from torch import nn
 
 from tensorpar import dist
 from tensorpar.bench.baselines import torch_tp_mlp
-from tensorpar.bench.timing import interleaved, medians, timed
+from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, wait_ready
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear
 
 # (tokens, hidden): decode-like to large; ffn = 4 * hidden.
@@ -58,7 +58,7 @@ def _pass(model, x, grad, backward: bool):
             model(x).backward(grad)
         else:
             with torch.no_grad():
-                model(x)
+                wait_ready(model(x))
     return run
 
 
@@ -92,19 +92,6 @@ def _repeat(fn, n):
     return run
 
 
-def _dense_on_rank0(dense, x, grad, backward):
-    run = _pass(dense, x, grad, backward)
-
-    def on_rank0():
-        if dist.get_rank() == 0:
-            torch.set_num_threads(2)
-            try:
-                run()
-            finally:
-                torch.set_num_threads(1)
-    return on_rank0
-
-
 def _check_equal(dense, tp, ttp, x) -> float:
     """Largest difference of the two parallel MLPs from the dense one (a sanity check, fp32)."""
     with torch.no_grad():
@@ -126,7 +113,7 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
         variants = {
             "tensorpar": _pass(tp, x.clone().requires_grad_(backward), grad, backward),
             "torch_tp": _pass(ttp, x.clone().requires_grad_(backward), grad, backward),
-            "dense_2t": _dense_on_rank0(dense, x.clone().requires_grad_(backward), grad, backward),
+            "dense_2t": on_rank0_with_threads(_pass(dense, x.clone().requires_grad_(backward), grad, backward)),
             "floor_compute": local,
             "floor_comm": comm,
         }

@@ -20,12 +20,12 @@ import tempfile
 import torch
 
 from tensorpar import dist
-from tensorpar.bench.timing import interleaved, medians
+from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, wait_ready
 
 BATCH, SEQ = 4, 128
 
 
-def _dense(path, threads=2):
+def _dense(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
@@ -48,24 +48,13 @@ def _steps(model, ids, loss_fn):
 
     def fwd():
         with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
+            wait_ready(model(input_ids=ids, use_cache=False).logits)
 
     def train():
         opt.zero_grad(set_to_none=True)
         loss_fn(model, ids).backward()
         opt.step()
     return fwd, train
-
-
-def _on_rank0(fn):
-    def run():
-        if dist.get_rank() == 0:
-            torch.set_num_threads(2)
-            try:
-                fn()
-            finally:
-                torch.set_num_threads(1)
-    return run
 
 
 def _param_bytes(model) -> int:
@@ -87,7 +76,7 @@ def models_worker(path, repeats):
              "dense_2t": _steps(dense, ids, _hf_loss)}
     rows = []
     for i, name in enumerate(("fwd", "train")):
-        variants = {k: (_on_rank0(v[i]) if k == "dense_2t" else v[i]) for k, v in steps.items()}
+        variants = {k: (on_rank0_with_threads(v[i]) if k == "dense_2t" else v[i]) for k, v in steps.items()}
         med = medians(interleaved(variants, repeats))
         rows.append({"label": f"llama {load.checkpoint_bytes / 4e6:.1f}M, {BATCH}x{SEQ}", "pass": name,
                      "tp": dist.get_world_size(), "repeats": repeats, "max_abs_diff": diff, "median_s": med,

@@ -37,3 +37,23 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> di
 
 def medians(samples: dict) -> dict:
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def on_rank0_with_threads(fn, threads: int = 2):
+    """``fn`` on rank 0 only, with ``threads`` intra-op threads (the unsplit baseline), while the
+    other ranks idle in the timing collectives."""
+    def run():
+        if dist.get_rank() == 0:
+            torch.set_num_threads(threads)
+            try:
+                fn()
+            finally:
+                torch.set_num_threads(1)
+    return run
+
+
+def wait_ready(y: torch.Tensor) -> torch.Tensor:
+    """Wait for ``y``: DTensor returns outputs whose collective is still in flight (an
+    AsyncCollectiveTensor, waited on first use); a pass is timed until its result exists."""
+    wait = getattr(y, "wait", None)
+    return wait() if wait is not None else y

@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
     p.add_argument("--suite", default=",".join(SUITES),
                    help=f"comma-separated suites to run; valid: {', '.join(SUITES)} (default: all)")
     p.add_argument("--out", default="bench/out", help="folder for tables and plots (default: bench/out)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds per variant (default: 7)")
+    p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11)")
     p.add_argument("--quick", action="store_true", help="the two smallest MLP sizes only (a smoke run)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
