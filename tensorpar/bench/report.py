@@ -26,6 +26,7 @@ def plot_ratios(rows: list[dict], path: Path, keys: dict, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     passes = sorted({r["pass"] for r in rows})
     fig, axes = plt.subplots(1, len(passes), figsize=(5 * len(passes), 3.6), squeeze=False)
@@ -35,6 +36,9 @@ def plot_ratios(rows: list[dict], path: Path, keys: dict, title: str) -> Path:
         for key, legend in keys.items():
             ax.plot(labels, [r[key] for r in sel], marker="o", label=legend)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_yscale("log")  # ratios: 0.5 and 2 sit equally far from parity
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2g"))
+        ax.yaxis.set_minor_formatter(ticker.FormatStrFormatter("%.2g"))
         ax.set_title(f"{title}: {name}")
         ax.set_ylabel("time ratio (lower is better for tensorpar)")
         ax.tick_params(axis="x", rotation=30)
