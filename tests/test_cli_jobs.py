@@ -86,8 +86,17 @@ def test_run_default_minilm_json(tp):
     assert all(b > 0 for b in led["measured_bytes_per_rank"])
     assert {c["op"] for c in led["collectives"]} == {"all_reduce"}
     assert len(led["collectives"]) == 1 + 2 * 6  # embedding + (attention, MLP) per layer
+    _per_module_agrees(led)
     ranking = out["result"]["ranking"]
     assert {ranking[0]["a"], ranking[0]["b"]} == {"A man is playing a guitar.", "Someone is strumming a guitar on stage."}
+
+
+def _per_module_agrees(led):
+    """Every module's measured bytes equal the planner's (blocks: the per-layer figure)."""
+    block = led["predicted_per_layer_bytes_per_rank"][0]
+    for name, s in led["per_layer"].items():
+        want = block if name.rsplit(".", 1)[-1].isdigit() else led["predicted_per_module"][name]
+        assert s["bytes_sent"] == want, (name, s["bytes_sent"], want)
 
 
 def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
@@ -100,6 +109,8 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     assert out["ledger_matches"] and out["max_rel_diff"] <= 1e-5
     gen = out["ledger"]["generation"]
     assert gen["measured_bytes_per_rank"] == gen["predicted_bytes_per_rank"]
+    _per_module_agrees(out["ledger"])
+    assert set(out["ledger"]["per_layer"]) == {"transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -55,7 +55,8 @@ def _show(r) -> None:
     from rich.table import Table
 
     con = Console()
-    con.print(f"[bold]{r.model}[/]  ({r.family}, tp={r.tp}, {r.dtype}, {r.backend})")
+    con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}): split over {r.tp} processes ({r.backend}), "
+              f"each holding its own shard of every weight matrix")
     if r.task == "sentence-embedding":
         n = len(r.result["ranking"])
         t = Table(title=f"Most similar sentence pairs (cosine of the split model's embeddings; top 5 of {n})",
@@ -86,13 +87,14 @@ def _proof(con, r) -> None:
         con.print("fixes applied: " + "; ".join(r.fixes))
     t = Table(title="Communication of rank 0, measured by the ledger beside the planner (ring bytes sent)",
               title_justify="left")
-    for col in ("module", "collectives", "ops", "bytes sent", "planner, per block"):
-        t.add_column(col, justify="left" if col in ("module", "ops") else "right")
+    for col in ("module", "collectives", "ops", "bytes sent", "planner"):
+        t.add_column(col, justify="left" if col in ("module", "ops") else "right", no_wrap=col == "module")
     per_block = r.ledger["predicted_per_layer_bytes_per_rank"][0]
+    others = r.ledger["predicted_per_module"]
     for name, s in r.ledger["per_layer"].items():
         ops = ", ".join(f"{k} x{v}" for k, v in s["ops"].items())
-        block = name.rsplit(".", 1)[-1].isdigit()
-        t.add_row(name, str(s["collectives"]), ops, f"{s['bytes_sent']:,}", f"{per_block:,}" if block else "")
+        pred = per_block if name.rsplit(".", 1)[-1].isdigit() else others.get(name)
+        t.add_row(name, str(s["collectives"]), ops, f"{s['bytes_sent']:,}", "" if pred is None else f"{pred:,}")
     con.print(t)
     meas, pred = r.ledger["measured_bytes_per_rank"], r.ledger["predicted_bytes_per_rank"]
     same = "[green]equal[/]" if meas == pred else "[red]DIFFERENT[/]"

@@ -133,10 +133,18 @@ def run_worker(spec: dict) -> dict:
         split = task(model, spec, measured=True)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
-           "bytes_sent": led.total_bytes_sent(), "split": split}
+           "bytes_sent": led.total_bytes_sent(), "split": split, "planner_names": _planner_names(model)}
     if dist.get_rank() == 0:
         out["dense"] = task(_dense(spec["path"], dtype), spec, measured=False)
     return out
+
+
+def _planner_names(model) -> dict:
+    """The planner's names for the embedding and the output head -> this model's module names."""
+    names = {id(m): n for n, m in model.named_modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {"embedding": names.get(id(model.get_input_embeddings())),
+            "lm_head": names.get(id(head)) if head is not None else None}
 
 
 def _dense(path, dtype):
@@ -205,7 +213,8 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
               "predicted_bytes_per_rank": predicted.bytes_sent_per_rank,
               "predicted": [i.to_dict() for i in predicted.items], "collectives": rank0["records"],
               "predicted_per_layer_bytes_per_rank": predicted.per_layer_bytes_sent_per_rank,
-              "per_layer": per_layer(rank0["records"])}
+              "per_layer": per_layer(rank0["records"]),
+              "predicted_per_module": _predicted_per_module(predicted, rank0["planner_names"])}
     if task["task"] == "generation":
         gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
         ledger["generation"] = {"measured_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
@@ -215,6 +224,16 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
                      tolerance_rel=TOLERANCE[DTYPES[dtype]], params_total=rank0["params_total"],
                      params_per_rank=[r["params"] for r in per_rank], fixes=fixes, ledger=ledger,
                      result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank])
+
+
+def _predicted_per_module(predicted, names: dict) -> dict:
+    """Rank 0's predicted bytes by module name, for the modules outside the blocks."""
+    out: dict = {}
+    for item in predicted.items:
+        module = names.get(item.where)
+        if module is not None:
+            out[module] = out.get(module, 0) + item.total_bytes_sent_per_rank[0]
+    return out
 
 
 def _result(task, rank0, path) -> dict:
