@@ -50,6 +50,16 @@ def test_verify_names_the_first_diverging_layer(checkpoints, family):
     assert "diverged at tp=2: block 1" in r.stderr
 
 
+@pytest.mark.parametrize("dtype, fault, first", [("bfloat16", None, None), ("bfloat16", 0, "block 0")])
+def test_verify_in_bfloat16(checkpoints, dtype, fault, first):
+    # bf16 rounds at 3.9e-3: the split model stays within its 5e-2 tolerance, and a corrupted
+    # shard is still named at its own block.
+    args = ["verify", "--model", str(checkpoints["llama"]), "--tp", "2", "--dtype", dtype, "--json"]
+    r = tensorpar(*args, *([] if fault is None else ["--inject-fault", str(fault)]))
+    out = json.loads(r.stdout)
+    assert out["checks"][0]["first_divergence"] == first and r.returncode == (0 if first is None else 1)
+
+
 @pytest.mark.parametrize("args, message", [
     (["verify", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
     (["verify", "--model", "{llama}", "--tp", "3"], "valid tp sizes: 1, 2, 4"),
@@ -119,10 +129,16 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     (["run", "--model", "{llama}", "--prompt", "hello"], "has no tokenizer for --prompt"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,99999"], "invalid: [99999]"),
     (["run", "--prompt", "hi"], "--prompt is for decoders"),
+    (["run", "--model", "{llama}", "--sentence", "hi"], "--sentence is for encoders"),
+    (["run", "--model", "{broken}"], "config.json is not valid JSON"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--max-new-tokens", "70"], "longer than this model's 64 positions"),
 ])
-def test_run_errors_are_one_line_with_exit_code_2(checkpoints, args, message):
-    r = tensorpar(*[a.format(llama=checkpoints["llama"]) for a in args])
+def test_run_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, message):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{model_type: llama")
+    (broken / "model.safetensors").write_bytes(b"")
+    r = tensorpar(*[a.format(llama=checkpoints["llama"], broken=broken) for a in args])
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], r.stderr

@@ -45,7 +45,10 @@ def open_checkpoint(path) -> Checkpoint:
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"{path} has no *.safetensors weights; tensorpar loads safetensors checkpoints")
-    config = json.loads(cfg_file.read_text())
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
     family = model_family(_AsConfig(config))
     if family is None:
         raise ValueError(f"model type {config.get('model_type')!r} in {cfg_file} is not supported; "

@@ -88,6 +88,9 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
         if len(sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in sentences):
             raise ValueError(f"need at least two non-empty sentences to rank, got {sentences!r}")
         return {"task": "sentence-embedding", "sentences": sentences}
+    if sentences:
+        raise ValueError(f"--sentence is for encoders; {ckpt.path.name} is a {ckpt.family} decoder "
+                         f"(it continues --prompt TEXT or --prompt-ids instead)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
     ids = _prompt_ids(ckpt, prompt, prompt_ids)
