@@ -26,12 +26,6 @@ def divide(n: int, tp_size: int, what: str) -> int:
     return n // tp_size
 
 
-def even_range(n: int, tp_rank: int, tp_size: int, what: str) -> tuple[int, int]:
-    """Rank ``tp_rank``'s half-open range ``[start, end)`` of an evenly split dimension."""
-    per_partition = divide(n, tp_size, what)
-    return tp_rank * per_partition, (tp_rank + 1) * per_partition
-
-
 def padded_size(n: int, tp_size: int) -> int:
     """``ceil(n / tp_size) * tp_size``: the smallest multiple of tp_size holding ``n`` rows."""
     return -(-n // tp_size) * tp_size
@@ -42,7 +36,8 @@ def padded_range(n: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
 
     ``[start, end)`` are the real rows this rank owns; ``per_partition - (end - start)`` trailing
     rows of its shard are padding. ``end`` is clamped to ``start`` when a rank owns padding only
-    (possible when ``tp_size > n - n // tp_size``, e.g. n=5, tp=4: rank 3 owns rows 6..7 >= 5).
+    (the last rank does when ``(tp_size - 1) * per_partition >= n``, e.g. n=5 or 6, tp=4:
+    per_partition 2, rank 3's rows 6..7 are all >= n).
     """
     per_partition = padded_size(n, tp_size) // tp_size
     start = tp_rank * per_partition
