@@ -24,8 +24,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, start, end, ignore_index, group):
         # logits: (N, V/p), target: (N,)
-        logits = logits.clone()
-        logits[:, end - start:] = float("-inf")  # padded vocabulary rows never win nor count
+        if end - start < logits.shape[-1]:  # only a shard holding padding is written to
+            logits = logits.clone()
+            logits[:, end - start:] = float("-inf")  # padded vocabulary rows never win nor count
         logits_max = logits.max(dim=-1).values  # (N,)
         dist.all_reduce(logits_max, group=group, op="max")
         shifted = logits - logits_max.unsqueeze(-1)  # (N, V/p), <= 0

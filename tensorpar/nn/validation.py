@@ -54,6 +54,8 @@ def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
     """Token ids: integer dtype, every id in ``[0, num_embeddings)``."""
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"token ids must be an integer tensor; got dtype {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
-        raise ValueError(f"token ids must lie in [0, {num_embeddings}); got min {int(ids.min())}, "
-                         f"max {int(ids.max())}")
+    if not ids.numel():
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids))  # one pass over the ids per forward
+    if lo < 0 or hi >= num_embeddings:
+        raise ValueError(f"token ids must lie in [0, {num_embeddings}); got min {lo}, max {hi}")
