@@ -50,9 +50,10 @@ class ReplicatedHeadLinear(nn.Module):
         self.kv_head, self.n_kv_heads, self.tp_group = kv_head, n_kv_heads, tp_group
 
     def _synced(self):
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        if not (torch.is_grad_enabled() and any(p.requires_grad for p in params)):
+            return self.weight, self.bias  # inference: no buffer, no concatenation
         w = self.weight if self.bias is None else torch.cat([self.weight, self.bias[:, None]], -1)
-        if not (torch.is_grad_enabled() and w.requires_grad):
-            return self.weight, self.bias
         h = self.kv_head
         slots = F.pad(w[None], (0, 0, 0, 0, h, self.n_kv_heads - h - 1))  # (n_kv, D, H[+1])
         w = dist.copy_to_tp_region(slots, group=self.tp_group)[h]  # backward: all-reduce
@@ -120,7 +121,7 @@ class ParallelAttention(nn.Module):
         self.n_kv_heads_per_partition = max(1, attn.n_kv_heads // self.tp_size)
         self.q_proj = ColumnParallelLinear.from_dense(attn.q_proj, tp_group=tp_group,
                                                       skip_input_comm=True)
-        self.k_proj, self.v_proj = (self._kv(attn.k_proj), self._kv(attn.v_proj))
+        self.k_proj, self.v_proj = self._kv(attn.k_proj), self._kv(attn.v_proj)
         self.o_proj = RowParallelLinear.from_dense(attn.o_proj, tp_group=tp_group,
                                                    sequence_parallel=sequence_parallel)
 
