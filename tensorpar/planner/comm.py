@@ -82,13 +82,18 @@ def tp_layer_collectives(model: ModelSpec, layout: Layout, *, phase: str | None 
         items.append(item("all_reduce", "layer.attention.qk_norm", "backward", "tp", p, model.head_dim * e, count=2,
                           note="q_norm and k_norm weight gradients: each rank's heads give a partial sum"))
     if phase == "training" and layout.sequence_parallel:
-        per_norm = 2 if model.family == "gpt" else 1  # LayerNorm weight + bias; RMSNorm weight
-        items.append(item("all_reduce", "layer.norms", "backward", "tp", p, model.hidden * e, count=2 * per_norm,
+        items.append(item("all_reduce", "layer.norms", "backward", "tp", p, model.hidden * e,
+                          count=2 * _vectors_per_norm(model),
                           note="gradients of the two norms' parameters (sequence-sharded inputs)"))
         if model.biases:
             items.append(item("all_reduce", "layer.row_biases", "backward", "tp", p, model.hidden * e, count=2,
                               note="gradients of the o_proj and down biases (added to sequence shards)"))
     return items
+
+
+def _vectors_per_norm(model: ModelSpec) -> int:
+    """h-vectors in one norm, each all-reduced on its own: LayerNorm weight and bias, RMSNorm weight."""
+    return model.norm_params // model.hidden
 
 
 def _block_items(where, enter, leave, n, p, layout, phase) -> list[CommItem]:
@@ -129,12 +134,11 @@ def tp_collectives(model: ModelSpec, layout: Layout, *, phase: str | None = None
         raise ValueError(f"stage ({stage!r}) must be one of: all, first, middle, last")
     if head not in HEADS:
         raise ValueError(f"head ({head!r}) must be one of: {', '.join(HEADS)}")
-    s = model.seq if seq is None else seq
-    per_layer = tp_layer_collectives(model, layout, phase=phase, seq=s)
     if layout.tp == 1:
         return {"per_layer": [], "per_micro_batch": []}
-    n_layers = layers_per_stage(model, layout.pp) if layout.pp > 1 else model.layers
-    body = [replace(i, count=i.count * n_layers) for i in per_layer]
+    s = model.seq if seq is None else seq
+    per_layer = tp_layer_collectives(model, layout, phase=phase, seq=s)
+    body = scale(per_layer, layers_per_stage(model, layout.pp))
     first = []
     if stage in ("all", "first"):
         first += _embedding_items(model, layout, phase, s)
@@ -174,8 +178,8 @@ def _lm_head_items(model, layout, phase, s, gathered) -> list[CommItem]:
     if layout.sequence_parallel:
         items.append(item("all_gather", "lm_head", "forward", "tp", p, n, note="sequence gather before the LM head"))
         if training:
-            per_norm = 2 if model.family == "gpt" else 1
-            items.append(item("all_reduce", "final_norm", "backward", "tp", p, model.hidden * e, count=per_norm,
+            items.append(item("all_reduce", "final_norm", "backward", "tp", p, model.hidden * e,
+                              count=_vectors_per_norm(model),
                               note="final norm gradients (sequence-sharded inputs)"))
             items.append(item("reduce_scatter", "lm_head", "backward", "tp", p, n, note="dX of the gather"))
     elif training:

@@ -224,21 +224,22 @@ def _fill_inference(report: PlanReport, c: _Ctx, kv_link, kv_tokens) -> None:
     weights = e * (m.layers * layer_params(m, lay.tp) + m.norm_params + ceil_div(m.vocab, lay.tp) * m.hidden)
     kv_read = b * m.attended_keys(m.seq) * report.kv_cache_bytes_per_token["per_device"] * lay.pp
     decode_flops = F.decode_flops_per_token(m, b, m.seq)
+    decode_items = _decode_items(c)
     report.inference_flops = {"decode_step": decode_flops,
                               "prefill_micro_batch": F.prefill_flops(m, b, m.seq),
                               "prefill_global_batch": F.prefill_flops(m, lay.global_batch, m.seq)}
     terms = {"hbm_s": memory_time_lower_bound(weights + kv_read, c.hw.hbm_bytes_per_s),
              "compute_s": compute_time_lower_bound(decode_flops, lay.tp, c.peak),
-             "comm_s": comm_time_lower_bound(_decode_items(c), c.placement, lay.pp, c.intra, c.inter)["total_s"],
+             "comm_s": comm_time_lower_bound(decode_items, c.placement, lay.pp, c.intra, c.inter)["total_s"],
              "weight_bytes_read_per_device": weights, "kv_bytes_read_per_device": kv_read}
     decode = max(terms["hbm_s"], terms["compute_s"], terms["comm_s"])
     report.decode_bound_terms = terms
     report.decode_time_per_token_lower_bound_s = decode
     report.decode_steps_per_s_upper_bound = None if decode == 0 else steps_per_s_upper_bound(decode)
-    report.comm["decode_per_token"] = [i.to_dict() for i in _decode_items(c)]
+    report.comm["decode_per_token"] = [i.to_dict() for i in decode_items]
     report.prefill_time_lower_bound_s = _prefill_bound(report, c)
     report.estimates["decode_time_per_token_s"] = terms["hbm_s"] + comm_time_estimate(
-        _decode_items(c), c.placement, lay.pp, c.intra, c.inter, c.latency_s)
+        decode_items, c.placement, lay.pp, c.intra, c.inter, c.latency_s)
     report.kv_transfer = _kv_transfer(report, c, kv_link, kv_tokens)
     report.kv_transfer_time_lower_bound_s = report.kv_transfer["time_lower_bound_s"]
 
