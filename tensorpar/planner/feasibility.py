@@ -10,14 +10,7 @@ from __future__ import annotations
 from .flops import layer_forward_flops_per_token, lm_head_forward_flops_per_token
 from .layout import Layout
 from .models import ModelSpec, divisors
-from .params import padded
-
-
-def valid_tp_sizes(model: ModelSpec) -> list[int]:
-    """Every tp that runs: it divides the heads, and divides or is a multiple of the kv heads
-    (ffn and vocabulary can always be padded)."""
-    g = model.kv_heads
-    return [t for t in divisors(model.heads) if g % t == 0 or t % g == 0]
+from .params import padded, valid_tp_sizes
 
 
 def clean_tp_sizes(model: ModelSpec) -> list[int]:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hfconfig import from_hf_dict
-from .models import ModelSpec, divisors
-from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown
+from .models import ModelSpec
+from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown, valid_tp_sizes
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
 CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
@@ -84,8 +84,7 @@ def check_tp(model: HFModel, tp: int) -> None:
     heads_per_device(spec, tp)
     kv_heads_per_device(spec, tp)
     if spec.ffn % tp:
-        valid = [t for t in divisors(spec.heads) if spec.ffn % t == 0 and (spec.kv_heads % t == 0
-                                                                          or t % spec.kv_heads == 0)]
+        valid = [t for t in valid_tp_sizes(spec) if spec.ffn % t == 0]
         raise ValueError(f"tp ({tp}) must divide ffn ({spec.ffn}); valid tp sizes: {', '.join(map(str, valid))}")
 
 

@@ -57,9 +57,15 @@ def kv_heads_per_device(model: ModelSpec, tp: int) -> int:
         return g // tp
     if tp % g == 0:
         return 1
-    valid = [t for t in divisors(model.heads) if g % t == 0 or t % g == 0]
     raise ValueError(f"tp ({tp}) must divide kv_heads ({g}) or be a multiple of it; valid tp sizes: "
-                     f"{', '.join(map(str, valid))}")
+                     f"{', '.join(map(str, valid_tp_sizes(model)))}")
+
+
+def valid_tp_sizes(model: ModelSpec) -> list[int]:
+    """Every tp that runs: it divides the heads, and divides or is a multiple of the kv heads
+    (ffn and vocabulary can always be padded)."""
+    g = model.kv_heads
+    return [t for t in divisors(model.heads) if g % t == 0 or t % g == 0]
 
 
 def kv_replication(model: ModelSpec, tp: int) -> int:
