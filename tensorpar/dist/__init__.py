@@ -3,8 +3,7 @@
 The only package that calls torch.distributed. Every collective takes its group explicitly
 (``group=None``: the default, world group).
 """
-from tensorpar.dist.collectives import all_gather, broadcast, reduce_scatter
-from tensorpar.dist.collectives import all_reduce
+from tensorpar.dist.collectives import all_gather, all_reduce, broadcast, reduce_scatter
 from tensorpar.dist.groups import barrier, broadcast_object, get_backend, get_rank, get_world_size, is_initialized, new_group
 from tensorpar.dist.launcher import LaunchTimeoutError, RankFailedError, init_from_env, launch, resolve_backend
 from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent

@@ -223,7 +223,7 @@ def _to_cpu(value):
 
 
 def _run_under_torchrun(fn, world_size, args, backend, timeout) -> list:
-    rank, env_world = init_from_env(backend, timeout)
+    _, env_world = init_from_env(backend, timeout)
     if env_world != world_size:
         raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}; "
                          f"pass world_size={env_world}")

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn.modules import module as nn_module
 
 # The open ledger of this execution context. A ContextVar rather than a module global: it is
 # scoped by the `with` block that sets it, and threads or tasks never see each other's.
@@ -90,10 +92,7 @@ class Ledger:
     def record(self, op: str, tensor: torch.Tensor, group_size: int, *, phase: str, module: str | None = None,
                shape: tuple | None = None, rank: int = 0, src: int = 0, broadcast_algorithm: str = "chain") -> None:
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
-        numel = 1
-        for d in shape:
-            numel *= d
-        payload = numel * tensor.element_size()
+        payload = math.prod(shape) * tensor.element_size()
         self.records.append(CollectiveRecord(
             op=op, module=self.current_module() if module is None else module, phase=phase, shape=shape,
             dtype=str(tensor.dtype).removeprefix("torch."), group_size=group_size,
@@ -116,7 +115,7 @@ class Ledger:
     def _push(self, module, _inputs):
         self._stack.append(self.names.get(id(module), type(module).__name__))
 
-    def _pop(self, module, _inputs, _output):
+    def _pop(self, _module, _inputs, _output):
         if self._stack:
             self._stack.pop()
 
@@ -154,8 +153,6 @@ def ledger(model: torch.nn.Module | None = None):
     without it, by class name. Ledgers nest: the inner one records, the outer resumes after.
     """
     led = Ledger(names={id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model else {})
-    from torch.nn.modules import module as nn_module
-
     pre = nn_module.register_module_forward_pre_hook(led._push)
     post = nn_module.register_module_forward_hook(led._pop, always_call=True)
     token = _ACTIVE.set(led)

@@ -29,6 +29,11 @@ def _remember(ctx, group, dim=None) -> None:
     ctx.module = ctx.led.current_module() if ctx.led is not None else None
 
 
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy in one pass: the in-place all-reduce must not write into autograd's tensor."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _bwd(ctx) -> dict:
     return {"phase": "backward", "module": ctx.module, "record_to": ledger_for_backward(ctx.led)}
 
@@ -41,13 +46,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad.contiguous().clone(), ctx.group, **_bwd(ctx)), None
+        return C.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.contiguous().clone(), group)  # (..., h): partial sums -> full sum
+        return C.all_reduce(_fresh(x), group)  # (..., h): partial sums -> full sum
 
     @staticmethod
     def backward(ctx, grad):
