@@ -117,34 +117,35 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"{name} ({value!r}) must be a positive finite number")
 
 
-_A100_SRC = "NVIDIA A100 datasheet / whitepaper; DGX A100 user guide"
+def _a100(name: str, hbm_gbps: float, mem_gb: float, *, aliases: tuple, intra_node_link: str = "nvlink") -> Hardware:
+    """The A100 variants: the same compute, NVLink3 and 200 Gb/s NICs; other HBM and host link."""
+    return Hardware(name=name, peak_dense_bf16_flops=312e12, peak_dense_tf32_flops=156e12,
+                    peak_sparse_bf16_flops=624e12, hbm_bytes_per_s=hbm_gbps * GB, mem_bytes=mem_gb * GB,
+                    links={"nvlink": 600 * GB, "pcie": 64 * GB}, intra_node_link=intra_node_link,
+                    inter_node_bytes_per_s=25 * GB, aliases=aliases,
+                    source="NVIDIA A100 datasheet / whitepaper; DGX A100 user guide")
+
+
+def _hopper_sxm(name: str, hbm_gbps: float, mem_gb: float, *, aliases: tuple, source: str) -> Hardware:
+    """H100 SXM5 and H200: the same compute, NVLink4 and 400 Gb/s NICs; other HBM."""
+    return Hardware(name=name, peak_dense_bf16_flops=989.4e12, peak_dense_tf32_flops=494.7e12,
+                    peak_sparse_bf16_flops=1978.9e12, hbm_bytes_per_s=hbm_gbps * GB, mem_bytes=mem_gb * GB,
+                    links={"nvlink": 900 * GB, "pcie": 128 * GB}, inter_node_bytes_per_s=50 * GB,
+                    aliases=aliases, source=source)
+
+
 _H100_SRC = "NVIDIA H100 datasheet / Hopper whitepaper; DGX H100 user guide"
 
 PRESETS: dict[str, Hardware] = {h.name: h for h in (
-    Hardware(name="a100-40gb", peak_dense_bf16_flops=312e12, peak_dense_tf32_flops=156e12,
-             peak_sparse_bf16_flops=624e12, hbm_bytes_per_s=1555 * GB, mem_bytes=40 * GB,
-             links={"nvlink": 600 * GB, "pcie": 64 * GB}, inter_node_bytes_per_s=25 * GB,
-             aliases=("A100-SXM4-40GB", "a100-sxm4-40gb"), source=_A100_SRC),
-    Hardware(name="a100-80gb", peak_dense_bf16_flops=312e12, peak_dense_tf32_flops=156e12,
-             peak_sparse_bf16_flops=624e12, hbm_bytes_per_s=2039 * GB, mem_bytes=80 * GB,
-             links={"nvlink": 600 * GB, "pcie": 64 * GB}, inter_node_bytes_per_s=25 * GB,
-             aliases=("A100-SXM4-80GB", "a100", "a100-sxm4-80gb"), source=_A100_SRC),
-    Hardware(name="a100-pcie-80gb", peak_dense_bf16_flops=312e12, peak_dense_tf32_flops=156e12,
-             peak_sparse_bf16_flops=624e12, hbm_bytes_per_s=1935 * GB, mem_bytes=80 * GB,
-             links={"nvlink": 600 * GB, "pcie": 64 * GB}, intra_node_link="pcie",
-             inter_node_bytes_per_s=25 * GB, aliases=("A100-PCIe-80GB",), source=_A100_SRC),
-    Hardware(name="h100-sxm", peak_dense_bf16_flops=989.4e12, peak_dense_tf32_flops=494.7e12,
-             peak_sparse_bf16_flops=1978.9e12, hbm_bytes_per_s=3350 * GB, mem_bytes=80 * GB,
-             links={"nvlink": 900 * GB, "pcie": 128 * GB}, inter_node_bytes_per_s=50 * GB,
-             aliases=("H100-SXM5-80GB", "h100", "h100-sxm5-80gb"), source=_H100_SRC),
+    _a100("a100-40gb", 1555, 40, aliases=("A100-SXM4-40GB", "a100-sxm4-40gb")),
+    _a100("a100-80gb", 2039, 80, aliases=("A100-SXM4-80GB", "a100", "a100-sxm4-80gb")),
+    _a100("a100-pcie-80gb", 1935, 80, aliases=("A100-PCIe-80GB",), intra_node_link="pcie"),
+    _hopper_sxm("h100-sxm", 3350, 80, aliases=("H100-SXM5-80GB", "h100", "h100-sxm5-80gb"), source=_H100_SRC),
     Hardware(name="h100-pcie", peak_dense_bf16_flops=756e12, peak_dense_tf32_flops=378e12,
              peak_sparse_bf16_flops=1513e12, hbm_bytes_per_s=2000 * GB, mem_bytes=80 * GB,
              links={"nvlink": 600 * GB, "pcie": 128 * GB}, intra_node_link="pcie",
              inter_node_bytes_per_s=50 * GB, aliases=("H100-PCIe-80GB",), source=_H100_SRC),
-    Hardware(name="h200", peak_dense_bf16_flops=989.4e12, peak_dense_tf32_flops=494.7e12,
-             peak_sparse_bf16_flops=1978.9e12, hbm_bytes_per_s=4800 * GB, mem_bytes=141 * GB,
-             links={"nvlink": 900 * GB, "pcie": 128 * GB}, inter_node_bytes_per_s=50 * GB,
-             aliases=("H200-SXM-141GB", "h200-sxm"), source="NVIDIA H200 datasheet; DGX H200"),
+    _hopper_sxm("h200", 4800, 141, aliases=("H200-SXM-141GB", "h200-sxm"), source="NVIDIA H200 datasheet; DGX H200"),
     Hardware(name="tpu-v4", peak_dense_bf16_flops=275e12, hbm_bytes_per_s=1200 * GB,
              mem_bytes=32 * 2**30, links={"ici": 540 * GB}, intra_node_link="ici",
              inter_node_bytes_per_s=270 * GB, devices_per_node=4, aliases=("TPU-v4",),
