@@ -19,14 +19,15 @@ Two byte counts are kept apart:
 """
 from __future__ import annotations
 
+from .layout import ZERO_STAGES, check_choice, check_size
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 
 def _check(op: str, p: int) -> None:
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; valid: {', '.join(OPS)}")
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(f"group size ({p!r}) must be a positive integer")
+    check_size("group size", p)
 
 
 def bus_bandwidth_factor(op: str, p: int) -> float:
@@ -140,8 +141,7 @@ def zero_dp_comm_elements(params: float, zero_stage: int) -> float:
     their large-N_d form: 2 Psi for plain DP and ZeRO stages 1-2 (reduce-scatter + all-gather),
     3 Psi for stage 3 (parameters all-gathered in forward and backward). The exact ring volume is
     ``(N_d - 1)/N_d`` of these."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage ({zero_stage!r}) must be one of: 0, 1, 2, 3")
+    check_choice("zero_stage", zero_stage, ZERO_STAGES)
     return (3.0 if zero_stage == 3 else 2.0) * params
 
 

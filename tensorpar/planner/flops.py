@@ -29,7 +29,7 @@ bounds count causal masking and sliding windows (``ModelSpec.causal_keys_per_que
 """
 from __future__ import annotations
 
-from .layout import RECOMPUTE
+from .layout import RECOMPUTE, check_choice
 from .models import ModelSpec
 
 SECONDS_PER_DAY = 86400.0
@@ -65,8 +65,7 @@ def recompute_flops_per_iteration(model: ModelSpec, global_batch: int, recompute
     """Extra FLOPs recomputation adds to the reported hardware FLOPs: full re-runs every layer's
     forward (Narayanan et al. 2021, Eq. 3); selective adds three times the forward score FLOPs,
     ``12 B s^2 a d L`` (Korthikanti et al. 2022, App. A, Eq. 8; see the module docstring)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
+    check_choice("recompute", recompute, RECOMPUTE)
     s = model.seq if seq is None else seq
     layer = layer_forward_flops_per_token(model, s)
     per_token = {"none": 0.0, "full": layer["dense"] + layer["attention_scores"],
@@ -93,8 +92,7 @@ def causal_flops_per_iteration(model: ModelSpec, global_batch: int, recompute: s
     recomputation adds one forward of the scores (``4 B s^2 a d L`` unmasked, Korthikanti et al.
     2022, App. A text), not Eq. 8's three.
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
+    check_choice("recompute", recompute, RECOMPUTE)
     s = model.seq if seq is None else seq
     layer = layer_forward_flops_per_token(model, model.causal_keys_per_query(s))
     dense_passes, score_passes = (4, 4) if recompute == "full" else (3, 4 if recompute == "selective" else 3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hfconfig import from_hf_dict
+from .layout import check_size
 from .models import ModelSpec
 from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown, valid_tp_sizes
 
@@ -78,8 +79,7 @@ def _bert(cfg: dict, seq: int | None) -> HFModel:
 def check_tp(model: HFModel, tp: int) -> None:
     """What the runtime needs of tp (tensorpar.models.feasibility): tp divides the query heads,
     divides or is a multiple of the KV heads, and divides ffn (ParallelMLP does not pad it)."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp ({tp!r}) must be a positive integer")
+    check_size("tp", tp)
     spec = model.spec
     heads_per_device(spec, tp)
     kv_heads_per_device(spec, tp)

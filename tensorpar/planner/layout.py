@@ -35,14 +35,14 @@ class Layout:
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch"):
-            _check_size(name, getattr(self, name))
+            check_size(name, getattr(self, name))
         if self.global_batch is None:
             object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
-        _check_size("global_batch", self.global_batch)
-        _check_choice("recompute", self.recompute, RECOMPUTE)
-        _check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
-        _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
-        _check_choice("workload", self.workload, WORKLOADS)
+        check_size("global_batch", self.global_batch)
+        check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
+        check_choice("workload", self.workload, WORKLOADS)
         if self.global_batch % (self.micro_batch * self.dp):
             per = self.micro_batch * self.dp
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of micro_batch x dp "
@@ -65,12 +65,14 @@ class Layout:
         return {**asdict(self), "devices": self.devices, "num_micro_batches": self.num_micro_batches}
 
 
-def _check_size(name: str, value) -> None:
+def check_size(name: str, value) -> None:
+    """ValueError unless ``value`` is a positive int (a bool is not a size)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
+def check_choice(name: str, value, choices: tuple) -> None:
+    """ValueError naming ``name``, ``value`` and the valid ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} ({value!r}) must be one of: {', '.join(map(str, choices))}")
 

@@ -9,7 +9,7 @@ and any element size, and equals the table where the table applies.
 """
 from __future__ import annotations
 
-from .layout import RECOMPUTE
+from .layout import RECOMPUTE, ZERO_STAGES, check_choice
 from .models import ModelSpec
 from .params import ceil_div, heads_per_device, kv_heads_per_device, layers_per_stage
 
@@ -25,8 +25,7 @@ def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_p
     tensor + sequence, selective  34 s b h / t
     full recomputation          2 s b h
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
+    check_choice("recompute", recompute, RECOMPUTE)
     sbh = s * b * h
     if recompute == "full":
         return 2.0 * sbh
@@ -53,8 +52,7 @@ def activation_bytes_per_layer(model: ModelSpec, *, seq: int, micro_batch: int, 
     Selective recomputation drops the score tensors; full recomputation keeps only the layer
     input ``rep(h e)`` (Korthikanti: 2 s b h at e = 2).
     """
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute ({recompute!r}) must be one of: {', '.join(RECOMPUTE)}")
+    check_choice("recompute", recompute, RECOMPUTE)
     e, h, d, t = bytes_per_elem, model.hidden, model.head_dim, tp
     rep = (lambda x: x / t) if sequence_parallel else (lambda x: float(x))
     tokens = seq * micro_batch
@@ -113,8 +111,7 @@ def model_state_bytes(params: float, *, dp: int = 1, zero_stage: int = 0, bytes_
     """Weights, gradients and Adam state per device, ZeRO stages over ``dp`` ranks (Rajbhandari et
     al. 2020, Sec. 5, Table 1; at e = 2: 16 Psi, stage 1 ``4 Psi + 12 Psi / N_d``, stage 2
     ``2 Psi + 14 Psi / N_d``, stage 3 ``16 Psi / N_d``)."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage ({zero_stage!r}) must be one of: 0, 1, 2, 3")
+    check_choice("zero_stage", zero_stage, ZERO_STAGES)
     e = bytes_per_elem
     weights, grads, opt = params * e, params * e, params * optimizer_bytes_per_param(e)
     return {"weights": weights / (dp if zero_stage >= 3 else 1),

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .layout import check_size
+
 FAMILIES = ("gpt", "llama")
 
 
@@ -46,7 +48,7 @@ class ModelSpec:
         if self.family not in FAMILIES:
             raise ValueError(f"family ({self.family!r}) must be one of: {', '.join(FAMILIES)}")
         for f in ("layers", "hidden", "heads", "vocab", "seq"):
-            _check_size(f, getattr(self, f))
+            check_size(f, getattr(self, f))
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads}) "
                              "unless head_dim is given")
@@ -57,9 +59,9 @@ class ModelSpec:
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)  # frozen: fill the defaults once, here
         for f in ("kv_heads", "ffn", "head_dim"):
-            _check_size(f, getattr(self, f))
+            check_size(f, getattr(self, f))
         if self.max_positions is not None:
-            _check_size("max_positions", self.max_positions)
+            check_size("max_positions", self.max_positions)
             if self.family == "gpt" and self.seq > self.max_positions:
                 raise ValueError(f"seq ({self.seq}) exceeds the learned position table "
                                  f"(max_positions={self.max_positions}); valid: seq <= {self.max_positions}")
@@ -73,7 +75,7 @@ class ModelSpec:
             if self.window_layers not in (None, 0):
                 raise ValueError(f"window_layers ({self.window_layers}) needs a sliding_window; valid: 0 or None")
             return
-        _check_size("sliding_window", self.sliding_window)
+        check_size("sliding_window", self.sliding_window)
         if self.window_layers is None:
             object.__setattr__(self, "window_layers", self.layers)  # every layer, as in Mistral 7B
         w = self.window_layers
@@ -135,11 +137,6 @@ def default_ffn(family: str, hidden: int) -> int:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _check_size(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
 def _llama(name, layers, hidden, heads, kv_heads, ffn, vocab, seq):

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from .collectives import broadcast_bytes_sent
 from .comm import tp_collectives
 from .hf import check_tp, hf_model, params_per_rank
-from .layout import Layout
+from .layout import Layout, check_size
 
 WORKLOADS = ("forward", "logits", "train", "decode", "generate")
 ENCODER_WORKLOADS = ("forward", "logits")
@@ -209,8 +209,7 @@ def _notes(workload: str) -> list:
 
 def _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens) -> None:
     for name, value in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        check_size(name, value)
     if bytes_per_elem not in _DTYPE_OF:
         raise ValueError(f"bytes_per_elem ({bytes_per_elem!r}) must be one of: 8 (float64), 4 (float32), "
                          f"2 (bf16/fp16)")

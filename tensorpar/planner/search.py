@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .feasibility import valid_tp_sizes
 from .hardware import Hardware
-from .layout import Layout
+from .layout import Layout, check_size
 from .models import ModelSpec, divisors
 from .report import PlanReport, plan
 
@@ -45,8 +45,7 @@ def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: i
     layout does the same work; ``latency_s`` is the per-collective latency of the estimates
     (never of the bounds); ``layout_options`` are the other :class:`Layout` fields.
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices ({devices!r}) must be a positive integer")
+    check_size("devices", devices)
     gb = micro_batch * devices if global_batch is None else global_batch
     Layout(micro_batch=micro_batch, global_batch=gb, workload=workload, **layout_options)  # validate once
     rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, latency_s,
