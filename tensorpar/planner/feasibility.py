@@ -7,7 +7,7 @@ KV-head replication when tp exceeds the kv heads is what vLLM and TensorRT-LLM d
 """
 from __future__ import annotations
 
-from .flops import layer_forward_flops_per_token, lm_head_forward_flops_per_token
+from .flops import forward_flops_per_token, layer_forward_flops_per_token, lm_head_forward_flops_per_token
 from .layout import Layout
 from .models import ModelSpec, divisors
 from .params import padded, valid_tp_sizes
@@ -74,9 +74,7 @@ def _vocab_padding_fix(model, layout) -> dict:
     pad = padded(v, t) - v
     matrices = 1 if model.tied_embeddings else 2
     extra = matrices * pad * h
-    head = lm_head_forward_flops_per_token(model)
-    per_token = head + model.layers * sum(layer_forward_flops_per_token(model, model.seq).values())
-    flops_frac = pad / v * head / per_token
+    flops_frac = pad / v * lm_head_forward_flops_per_token(model) / forward_flops_per_token(model, model.seq)
     return {"dimension": "vocab", "fix": f"pad vocab {v} -> {v + pad} (masked zero rows)",
             "extra_params": extra, "extra_weight_bytes": extra * layout.bytes_per_elem,
             "extra_flops_fraction": flops_frac, "applied_by_tensorpar_runtime": True,

@@ -48,6 +48,13 @@ def lm_head_forward_flops_per_token(model: ModelSpec) -> int:
     return 2 * model.hidden * model.vocab
 
 
+def forward_flops_per_token(model: ModelSpec, context: float) -> float:
+    """Forward FLOPs of one token through every layer and the LM head, attending to ``context``
+    keys: ``l (dense + scores) + 2 h V``."""
+    layer = layer_forward_flops_per_token(model, context)
+    return model.layers * (layer["dense"] + layer["attention_scores"]) + lm_head_forward_flops_per_token(model)
+
+
 def flops_per_iteration(model: ModelSpec, global_batch: int, seq: int | None = None) -> float:
     """Model FLOPs of one global batch, forward and backward, without recomputation.
 
@@ -55,9 +62,7 @@ def flops_per_iteration(model: ModelSpec, global_batch: int, seq: int | None = N
     ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` for gpt with ffn = 4h.
     """
     s = model.seq if seq is None else seq
-    layer = layer_forward_flops_per_token(model, s)
-    per_token = model.layers * (layer["dense"] + layer["attention_scores"]) + lm_head_forward_flops_per_token(model)
-    return 3.0 * global_batch * s * per_token
+    return 3.0 * global_batch * s * forward_flops_per_token(model, s)
 
 
 def recompute_flops_per_iteration(model: ModelSpec, global_batch: int, recompute: str,
@@ -127,9 +132,7 @@ def prefill_flops(model: ModelSpec, batch: int, prompt: int) -> float:
 def decode_flops_per_token(model: ModelSpec, batch: int, context: int) -> float:
     """Forward FLOPs of one decode step: ``batch`` new tokens, each attending to ``context`` keys
     (at most the sliding window in windowed layers)."""
-    layer = layer_forward_flops_per_token(model, model.attended_keys(context))
-    per_token = model.layers * (layer["dense"] + layer["attention_scores"]) + lm_head_forward_flops_per_token(model)
-    return float(batch) * per_token
+    return float(batch) * forward_flops_per_token(model, model.attended_keys(context))
 
 
 def training_days_eq4(params: float, tokens: float, n_devices: int, flops_per_device: float,
