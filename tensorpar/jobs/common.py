@@ -1,4 +1,5 @@
-"""What `run` and `verify` share: checking a checkpoint and a tp size before any rank starts."""
+"""What `run` and `verify` share: checking a checkpoint and a tp size before any rank starts, and
+loading the unsplit model both compare against."""
 from __future__ import annotations
 
 import json
@@ -69,6 +70,16 @@ def quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def dense_model(path, dtype: torch.dtype):
+    """The unsplit model of the checkpoint's own architecture (``config.architectures[0]``), in eval mode."""
+    import transformers
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
+    return cls.from_pretrained(path, dtype=dtype).eval()
 
 
 def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:

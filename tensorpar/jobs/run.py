@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, is_decoder, open_checkpoint,
-                                   parse_dtype, quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder,
+                                   open_checkpoint, parse_dtype, quiet_transformers)
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.",
@@ -26,6 +26,7 @@ DEFAULT_SENTENCES = (
     "Tensor parallelism splits weight matrices across devices.",
     "The model's weights are sharded over several GPUs.",
 )
+DEFAULT_PROMPT = "Tensor parallelism splits a model across"
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
     ids = _prompt_ids(ckpt, prompt, prompt_ids)
-    check_length(ckpt, len(ids) + max_new_tokens, f"the prompt plus --max-new-tokens")
+    check_length(ckpt, len(ids) + max_new_tokens, "the prompt plus --max-new-tokens")
     return {"task": "generation", "prompt_ids": ids, "max_new_tokens": max_new_tokens,
             "has_tokenizer": _has_tokenizer(ckpt.path)}
 
@@ -105,6 +106,8 @@ def _has_tokenizer(path: Path) -> bool:
 
 def _prompt_ids(ckpt, prompt, prompt_ids) -> list[int]:
     vocab = ckpt.config.get("vocab_size")
+    if prompt_ids is None and prompt is None and _has_tokenizer(ckpt.path):
+        prompt = DEFAULT_PROMPT
     if prompt_ids is not None:
         ids = list(prompt_ids)
     elif prompt is not None:
@@ -113,9 +116,7 @@ def _prompt_ids(ckpt, prompt, prompt_ids) -> list[int]:
         from transformers import AutoTokenizer
         ids = AutoTokenizer.from_pretrained(ckpt.path)(prompt)["input_ids"]
     else:
-        ids = list(range(1, 9)) if not _has_tokenizer(ckpt.path) else None
-        if ids is None:
-            return _prompt_ids(ckpt, "Tensor parallelism splits a model across", None)
+        ids = list(range(1, 9))  # no tokenizer and no prompt: fixed ids
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
     if not ids or bad:
         raise ValueError(f"prompt token ids must be a non-empty list of integers in [0, {vocab}); invalid: {bad or ids}")
@@ -133,12 +134,12 @@ def run_worker(spec: dict) -> dict:
     model.eval()
     task = _encode if spec["task"] == "sentence-embedding" else _generate
     with dist.ledger(model=model) as led:
-        split = task(model, spec, measured=True)
+        split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
            "bytes_sent": led.total_bytes_sent(), "split": split, "planner_names": _planner_names(model)}
     if dist.get_rank() == 0:
-        out["dense"] = task(_dense(spec["path"], dtype), spec, measured=False)
+        out["dense"] = task(dense_model(spec["path"], dtype), spec)
     return out
 
 
@@ -150,17 +151,8 @@ def _planner_names(model) -> dict:
             "lm_head": names.get(id(head)) if head is not None else None}
 
 
-def _dense(path, dtype):
-    from transformers import AutoConfig
-    import transformers
-
-    config = AutoConfig.from_pretrained(path)
-    cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    return cls.from_pretrained(path, dtype=dtype).eval()
-
-
 @torch.no_grad()
-def _encode(model, spec, measured: bool) -> dict:
+def _encode(model, spec) -> dict:
     from transformers import AutoTokenizer
 
     from tensorpar.models.minilm import sentence_embeddings
@@ -173,7 +165,7 @@ def _encode(model, spec, measured: bool) -> dict:
 
 
 @torch.no_grad()
-def _generate(model, spec, measured: bool) -> dict:
+def _generate(model, spec) -> dict:
     from tensorpar.models.generation import generate
 
     ids = torch.tensor([spec["prompt_ids"]], dtype=torch.long)  # (1, T)

@@ -21,9 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, open_checkpoint, parse_dtype,
-                                   quiet_transformers)
-from tensorpar.jobs.run import _dense
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, open_checkpoint,
+                                   parse_dtype, quiet_transformers)
 
 
 @dataclass
@@ -109,7 +108,7 @@ def verify_worker(spec: dict):
     quiet_transformers()
     dtype = DTYPES[spec["dtype"]]
     split, _ = load_sharded(spec["path"], dtype=dtype)
-    dense = _dense(spec["path"], dtype)
+    dense = dense_model(spec["path"], dtype)
     tol = TOLERANCE[dtype]
     if spec["inject_fault"] is not None and dist.get_rank() == dist.get_world_size() - 1:
         _corrupt(_blocks(split)[spec["inject_fault"]], tol)
