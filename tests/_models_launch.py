@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tensorpar import dist
 from tensorpar.models.testing import make_tiny_checkpoint
-from tests import _models_workers as W
+from tests import _models_checkpoint_workers as C, _models_workers as W
 
 TINY_CHECKPOINTS = ("llama", "gpt2")
 SHARDED = {"llama": "20KB"}  # the llama checkpoint is split over many files with an index
@@ -27,6 +27,12 @@ TRAINING_CASES = [("llama", 4, "float64", ALL),   # GQA 4/2 heads: KV heads repl
                   ("llama_tied", 2, "float64", [0, 1])]  # tied Llama head
 
 
+def all_worker(tiny_dirs: dict, training_cases: list) -> dict:
+    """Every multi-rank model test in one launch (run in each spawned rank)."""
+    return {"checkpoint": C.checkpoint_worker(tiny_dirs), "inference": W.inference_worker(),
+            "training": W.training_worker(training_cases)}
+
+
 @functools.lru_cache(maxsize=None)
 def results() -> dict:
     """``{"checkpoint" | "inference" | "training": [per-rank result, ...]}``."""
@@ -34,7 +40,7 @@ def results() -> dict:
     atexit.register(tmp.cleanup)
     dirs = {f: str(make_tiny_checkpoint(Path(tmp.name) / f, f, max_shard_size=SHARDED.get(f)))
             for f in TINY_CHECKPOINTS}
-    per_rank = dist.launch(W.all_worker, 4, dirs, TRAINING_CASES, deadline=600)
+    per_rank = dist.launch(all_worker, 4, dirs, TRAINING_CASES, deadline=600)
     return {part: [r[part] for r in per_rank] for part in per_rank[0]}
 
 

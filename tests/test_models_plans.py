@@ -18,7 +18,7 @@ from tensorpar.models.styles import ShardSpec
 from tensorpar.models.testing import make_tiny_config, make_tiny_model
 from tensorpar.models.training import clip_grad_norm_
 from tensorpar.nn import ColumnParallelLinear
-from tests import _models_workers as W
+from tests import _models_checkpoint_workers as C, _models_workers as W
 from tests.test_models_parallelize import expected_params_per_rank
 
 
@@ -208,16 +208,16 @@ def test_example_inputs_that_do_not_fit_the_model():
 
 
 def test_find_pairs_restores_each_modules_own_mode():
-    model = W.Toy().double().train()
+    model = C.Toy().double().train()
     model.blocks[1].eval()  # a module in eval mode inside a model in train mode
     before = [m.training for m in model.modules()]
-    ids = torch.randint(0, W.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, C.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     discover.find_pairs(model, 2, (ids,))
     assert [m.training for m in model.modules()] == before
 
 def test_find_pairs_checks_each_candidate():
-    ids = torch.randint(0, W.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
-    styles, notes = discover.find_pairs(W.Toy().double(), 2, (ids,))
+    ids = torch.randint(0, C.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    styles, notes = discover.find_pairs(C.Toy().double(), 2, (ids,))
     assert styles == {"blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
                       "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
     assert any(n.startswith("not paired in extra: extra.fc1 -> extra.fc2 (a shard run failed)") for n in notes)
