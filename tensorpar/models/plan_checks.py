@@ -23,14 +23,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from tensorpar.models.plans import FAMILY_PLANS, REGION_STYLES, compile_plan, match_style
+from tensorpar.models.plans import FAMILY_PLANS, REGION_STYLES, compile_plan, join_name, match_style
 
 COLUMN = ("colwise", "conv1d_colwise", "colwise_kv", "conv1d_qkv")
 ROW = ("rowwise", "conv1d_rowwise")
-
-
-def _join(name: str, suffix: str) -> str:
-    return f"{name}.{suffix}" if suffix else name
 
 
 def _rel_names(model, prefix):
@@ -47,14 +43,14 @@ def _same(got, want, dims, tp_size) -> bool:
 
 
 def _unit_message(family, unit, inst, got, bad) -> str:
-    want = ", ".join(f"{_join(unit.anchor, s)!r}: {st!r}" for s, st in unit.members)
-    off = ", ".join(f"{_join(unit.anchor, s)!r}: {st!r} (plan: {got[s] or 'replicate'!r})" for s, st in bad)
+    want = ", ".join(f"{join_name(unit.anchor, s)!r}: {st!r}" for s, st in unit.members)
+    off = ", ".join(f"{join_name(unit.anchor, s)!r}: {st!r} (plan: {got[s] or 'replicate'!r})" for s, st in bad)
     cols = [s for s, st in got.items() if st in COLUMN]
     if cols and not any(st in ROW for st in got.values()):
-        lead = (f"{got[cols[0]]} {_join(inst, cols[0])!r} has no rowwise partner in {inst!r}; "
+        lead = (f"{got[cols[0]]} {join_name(inst, cols[0])!r} has no rowwise partner in {inst!r}; "
                 f"add one or use 'replicate'")
     else:
-        split = [_join(inst, s) for s, st in got.items() if st]
+        split = [join_name(inst, s) for s, st in got.items() if st]
         lead = (f"plan splits {split} but not the whole {family} {unit.kind} block {inst!r} "
                 f"(the rest would stay whole and the block would compute another function)")
     return f"{lead}; a {family} {unit.kind} split needs all of {{{want}}}; missing or different: {off}"
@@ -68,8 +64,8 @@ def _check_units(model, assigned, family, dims, tp_size, prefix) -> set:
         for name, rel in _rel_names(model, prefix):
             if match_style(anchor, (name, rel)) is None:
                 continue
-            got = {s: assigned.get(_join(name, s)) for s, _ in unit.optional + unit.members}
-            covered.update(_join(name, s) for s in got)
+            got = {s: assigned.get(join_name(name, s)) for s, _ in unit.optional + unit.members}
+            covered.update(join_name(name, s) for s in got)
             if not any(got.values()):
                 continue
             bad = [(s, st) for s, st in unit.members if not _same(got[s], st, dims, tp_size)]

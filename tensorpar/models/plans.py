@@ -37,7 +37,9 @@ STYLES = ("colwise", "rowwise", "colwise_kv", "conv1d_colwise", "conv1d_rowwise"
           "vocab", "vocab_head", "attention", "mlp", "replicate")
 REGION_STYLES = ("attention", "mlp")
 
-def _join(anchor: str, suffix: str) -> str:
+
+def join_name(anchor: str, suffix: str) -> str:
+    """``anchor.suffix``, or ``anchor`` for the empty suffix (the anchor itself)."""
     return f"{anchor}.{suffix}" if suffix else anchor
 
 
@@ -59,7 +61,7 @@ class Unit:
 
     def entries(self) -> list[tuple[str, str]]:
         """``[(pattern, style)]``: the unit's plan entries, optional ones first."""
-        return [(_join(self.anchor, sfx), style) for sfx, style in self.optional + self.members]
+        return [(join_name(self.anchor, sfx), style) for sfx, style in self.optional + self.members]
 
 
 def _plan(first: dict, units: tuple, last: dict) -> dict:
