@@ -93,14 +93,3 @@ def run_models_bench(repeats: int = 5, tp: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-") as tmp:
         make_tiny_checkpoint(tmp, "llama", dtype=torch.float32, **BENCH_LLAMA)
         return dist.launch(models_worker, tp, tmp, repeats, backend="gloo", timeout=600)[0]
-
-
-def models_table(rows: list[dict]) -> str:
-    ms = lambda s: f"{s * 1e3:.4g} ms"  # noqa: E731
-    head = ("| model | pass | tensorpar tp=2 | HF tp_plan=auto tp=2 | dense, 2 threads | "
-            "tensorpar / HF TP | tensorpar / dense | params per rank / total |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|\n")
-    body = [f"| {r['label']} | {r['pass']} | {ms(r['median_s']['tensorpar'])} | {ms(r['median_s']['hf_tp'])} | "
-            f"{ms(r['median_s']['dense_2t'])} | **{r['tensorpar_vs_hf_tp']:.2f}** | {r['tensorpar_vs_dense_2t']:.2f} | "
-            f"{r['param_bytes_per_rank'] / r['param_bytes_total']:.3f} |" for r in rows]
-    return head + "\n".join(body) + "\n"

@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.3g} ms"
+def _ms(s: float, digits: int = 3) -> str:
+    return f"{s * 1e3:.{digits}g} ms"
 
 
 def mlp_table(rows: list[dict]) -> str:
@@ -18,6 +18,17 @@ def mlp_table(rows: list[dict]) -> str:
              f"**{r['tensorpar_vs_torch_tp']:.2f}** | **{r['tensorpar_vs_floor']:.2f}** | {r['tensorpar_vs_dense_2t']:.2f} |"
              for r in rows]
     return head + "\n".join(lines) + "\n"
+
+
+def models_table(rows: list[dict]) -> str:
+    head = ("| model | pass | tensorpar tp=2 | HF tp_plan=auto tp=2 | dense, 2 threads | "
+            "tensorpar / HF TP | tensorpar / dense | params per rank / total |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|\n")
+    med = [r["median_s"] for r in rows]
+    body = [f"| {r['label']} | {r['pass']} | {_ms(m['tensorpar'], 4)} | {_ms(m['hf_tp'], 4)} | "
+            f"{_ms(m['dense_2t'], 4)} | **{r['tensorpar_vs_hf_tp']:.2f}** | {r['tensorpar_vs_dense_2t']:.2f} | "
+            f"{r['param_bytes_per_rank'] / r['param_bytes_total']:.3f} |" for r, m in zip(rows, med)]
+    return head + "\n".join(body) + "\n"
 
 
 def plot_ratios(rows: list[dict], path: Path, keys: dict, title: str) -> Path:

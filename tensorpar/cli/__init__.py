@@ -1,4 +1,4 @@
-"""`tensorpar run | verify | plan | bench`: the only place that prints.
+"""`tensorpar run | verify | plan | bench | demo`: the only place that prints.
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``main(args) -> int``.
 Errors a user can cause are raised as ``ValueError`` (or ``FileNotFoundError``) by the library and

@@ -35,22 +35,22 @@ def main(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results, files = {}, []
+    results, tables, files = {}, {}, []
     if "mlp" in suites:
         from tensorpar.bench.mlp import DEFAULT_SIZES, run_mlp_bench
 
         rows = run_mlp_bench(DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES, args.repeats)
-        results["mlp"] = rows
-        (out / "mlp.md").write_text(report.mlp_table(rows))
+        results["mlp"], tables["mlp"] = rows, report.mlp_table(rows)
+        (out / "mlp.md").write_text(tables["mlp"])
         files += [out / "mlp.md", report.plot_ratios(rows, out / "mlp.png", {
             "tensorpar_vs_torch_tp": "tensorpar / PyTorch TP", "tensorpar_vs_floor": "tensorpar / floor",
             "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"}, "TP MLP, tp=2")]
     if "models" in suites:
-        from tensorpar.bench.models import run_models_bench, models_table
+        from tensorpar.bench.models import run_models_bench
 
         rows = run_models_bench(args.repeats)
-        results["models"] = rows
-        (out / "models.md").write_text(models_table(rows))
+        results["models"], tables["models"] = rows, report.models_table(rows)
+        (out / "models.md").write_text(tables["models"])
         files += [out / "models.md", report.plot_ratios(rows, out / "models.png", {
             "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
             "~25M Llama, tp=2")]
@@ -58,8 +58,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
         return 0
-    for name in ("mlp.md", "models.md"):
-        if (out / name).exists() and name.split(".")[0] in results:
-            print(f"\n## {name.split('.')[0]}\n\n{(out / name).read_text()}")
+    for name, table in tables.items():
+        print(f"\n## {name}\n\n{table}")
     print("wrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
     return 0
