@@ -86,9 +86,7 @@ def all_reduce(shards, *, log: CommLog | None = None) -> list[np.ndarray]:
     """Every rank gets the elementwise sum of all ranks' arrays (equal shapes and dtypes)."""
     shards = _check_shards(shards, "all_reduce", log)
     _check_same_shape(shards, "all_reduce")
-    total = shards[0].copy()
-    for shard in shards[1:]:
-        total = total + shard  # same shape as every shard
+    total = _rank_order_sum(shards)
     p = len(shards)
     _record(log, "all_reduce", total, [ring_allreduce_bytes(total.nbytes, p)] * p)
     return [total.copy() for _ in range(p)]
@@ -112,9 +110,7 @@ def reduce_scatter(shards, axis: int = -1, *, log: CommLog | None = None) -> lis
     _check_same_shape(shards, "reduce_scatter")
     p = len(shards)
     check_divides(shards[0].shape[axis], p, f"reduce_scatter: axis {axis} of shape {shards[0].shape}")
-    total = shards[0].copy()
-    for shard in shards[1:]:
-        total = total + shard
+    total = _rank_order_sum(shards)
     _record(log, "reduce_scatter", total, [ring_reduce_scatter_bytes(total.nbytes, p)] * p)
     return [chunk.copy() for chunk in np.split(total, p, axis=axis)]  # each: axis size n / p
 
@@ -157,6 +153,14 @@ def _check_same_shape(shards: list[np.ndarray], op: str, except_axis: int | None
             along = "" if except_axis is None else f" (except on axis {except_axis})"
             raise ValueError(f"{op}: shards[{r}] has shape {a.shape} but shards[0] has {shards[0].shape}; "
                              f"shapes must match{along}")
+
+
+def _rank_order_sum(shards: list[np.ndarray]) -> np.ndarray:
+    """``shards[0] + shards[1] + ...`` in rank order, into a new array (same shape as every shard)."""
+    total = shards[0].copy()
+    for shard in shards[1:]:
+        total += shard
+    return total
 
 
 def _record(log: CommLog | None, op: str, full: np.ndarray, bytes_sent: list):

@@ -10,7 +10,7 @@ An axis of ``n`` elements is split by one of three modes:
     ``padded = ceil(n / p) * p``, ``per_partition = padded // p``, rank ``r`` owns
     ``[min(r * per_partition, n), min((r + 1) * per_partition, n))``. Each shard is zero-padded at
     the end of the axis to ``per_partition`` elements, so all shards have one shape (what real
-    collectives need); a rank may hold only padding when ``n < padded - per_partition``. Zero
+    collectives need); the last rank holds only padding when ``n <= padded - per_partition``. Zero
     padding adds nothing to a contraction, and a gathered result is trimmed back to ``n``.
 ``"remainder"``
     ``numpy.array_split``'s rule: the first ``n % p`` ranks own ``n // p + 1`` elements, the rest
