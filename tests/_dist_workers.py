@@ -1,4 +1,4 @@
-"""Module-level worker functions for tests/test_dist_*.py (spawned ranks must import them)."""
+"""Module-level worker functions for tests/test_dist.py (spawned ranks must import them)."""
 import os
 import time
 
@@ -55,7 +55,7 @@ def mappings_worker(shapes):
         summed = sum((k + 1) * g_full for k in range(p))
         report.append(("sp_gather_bwd", _close(x.grad, summed.chunk(p, dim=1)[r])))
 
-        x = torch.cat(xs, dim=1)[:, :, :].clone().mul(r + 1).requires_grad_(True)  # (B, p*T, H) partial
+        x = torch.cat(xs, dim=1).mul(r + 1).requires_grad_(True)  # (B, p*T, H) partial
         y = dist.reduce_scatter_to_sequence_parallel_region(x)
         y.backward(gs[r])
         total = sum((k + 1) * torch.cat(xs, dim=1) for k in range(p))
@@ -123,8 +123,6 @@ def dying_worker(bad_rank):
 
 def pid_worker():
     return os.getpid()
-
-
 
 
 def thread_backward_worker():

@@ -1,5 +1,4 @@
 """The benchmark harness runs and reports what it claims (timings themselves are not tested)."""
-import json
 import os
 import subprocess
 import sys

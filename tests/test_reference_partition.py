@@ -65,7 +65,7 @@ def test_partition_round_trips(case):
     shards = partition(x, p, axis=axis, mode=mode)
     n = x.shape[axis]
     assert len(shards) == p
-    for r, (shard, (start, stop)) in enumerate(zip(shards, partition_bounds(n, p, mode))):
+    for shard, (start, stop) in zip(shards, partition_bounds(n, p, mode)):
         real = np.take(shard, np.arange(stop - start), axis=axis)
         assert np.array_equal(real, np.take(x, np.arange(start, stop), axis=axis))
         if mode == "pad":
