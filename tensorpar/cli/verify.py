@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
     p.add_argument("--backend", default="auto", help="auto, gloo, nccl")
     p.add_argument("--inject-fault", type=int, metavar="BLOCK",
-                   help="corrupt one weight of BLOCK on the last rank, to see a divergence being caught")
+                   help="scale the last weight matrix of BLOCK on the last rank, to see a divergence being caught")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
