@@ -246,3 +246,13 @@ def test_generate_and_clip_bad_input():
         clip_grad_norm_(model, 0.0)
     with pytest.raises(ValueError, match="no parameter has a gradient"):
         clip_grad_norm_(model, 1.0)
+
+
+def test_a_split_style_on_a_non_linear_module_names_the_type_first():
+    from tensorpar.apply import parallelize
+    from tensorpar.models.testing import make_tiny_model
+
+    model = make_tiny_model("llama")
+    with pytest.raises(ValueError, match=r"plan style 'colwise' needs a Linear .* 'model.norm' is LlamaRMSNorm"):
+        parallelize(model, plan={"model.norm": "colwise"})
+    assert not hasattr(model, "tp_report")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 
 import torch
 
@@ -36,7 +37,9 @@ def _hf_tp(path):
     # itself is the one tensorpar's launcher started.
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
+    with warnings.catch_warnings():  # transformers' notice that tp_plan= moves to another argument
+        warnings.simplefilter("ignore", FutureWarning)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
 
 
 def _hf_loss(model, ids):

@@ -14,7 +14,8 @@ def add_parser(sub) -> None:
                    help=f"comma-separated suites to run; valid: {', '.join(SUITES)} (default: all)")
     p.add_argument("--out", default="bench/out", help="folder for tables and plots (default: bench/out)")
     p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11)")
-    p.add_argument("--quick", action="store_true", help="the two smallest MLP sizes only (a smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: the MLP suite at its two smallest sizes, no models suite")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -28,7 +29,7 @@ def _suites(text: str) -> list[str]:
 
 
 def main(args) -> int:
-    suites = _suites(args.suite)
+    suites = ["mlp"] if args.quick else _suites(args.suite)
     if args.repeats < 3:
         raise ValueError(f"--repeats {args.repeats}: need at least 3 rounds for a median")
     from tensorpar.bench import report

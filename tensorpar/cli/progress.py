@@ -1,7 +1,17 @@
-"""A spinner on stderr while a long step runs (never on stdout, which --json keeps clean)."""
+"""Terminal output: a spinner on stderr while a long step runs (never on stdout, which --json
+keeps clean), and the console reports print to."""
 from __future__ import annotations
 
 import contextlib
+import sys
+
+
+def console():
+    """A rich console on stdout; 120 columns when stdout is not a terminal (``make run``, a pipe),
+    where rich would otherwise wrap every table at 80."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 120)
 
 
 @contextlib.contextmanager

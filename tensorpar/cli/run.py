@@ -51,10 +51,11 @@ def main(args) -> int:
 
 
 def _show(r) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from tensorpar.cli.progress import console
+
+    con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}): split over {r.tp} processes ({r.backend}), "
               f"each holding its own shard of every weight matrix")
     if r.task == "sentence-embedding":

@@ -45,10 +45,11 @@ def main(args) -> int:
 
 
 def _show(r) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from tensorpar.cli.progress import console
+
+    con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}, batch {r.batch} x {r.seq} tokens)")
     for c in r.checks:
         t = Table(title=f"tp={c.tp}: max |split - unsplit| / max |unsplit|, tolerance {c.tolerance_rel:g}",

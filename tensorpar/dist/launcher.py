@@ -14,6 +14,7 @@ dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import io
@@ -69,7 +70,15 @@ def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, i
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         tdist.init_process_group(backend, init_method="env://",
                                  timeout=datetime.timedelta(seconds=timeout))
+        # A process that exits with its group alive can abort in the backend's teardown
+        # ("terminate called without an active exception"): leave the group on the way out.
+        atexit.register(_destroy_if_initialized)
     return tdist.get_rank(), tdist.get_world_size()
+
+
+def _destroy_if_initialized() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,

@@ -107,8 +107,18 @@ def _check_regions(model, assigned, covered) -> None:
                              f"{whole or 'no linear found'}; split them or drop the {style!r} entry")
 
 
+def _check_kinds(model, assigned) -> None:
+    """A column or row split applies to linear layers only: say so before any pairing advice."""
+    for name, style in assigned.items():
+        module = model.get_submodule(name)
+        if style in COLUMN + ROW and not _is_linear(module):
+            raise ValueError(f"plan style {style!r} needs a Linear (or GPT-2 Conv1D) but module {name!r} is "
+                             f"{type(module).__name__}; use 'replicate' or a matching style")
+
+
 def check_plan(model, assigned: dict, family, dims, tp_size: int, prefix) -> None:
     """ValueError when ``assigned`` (module name -> style) would not compute ``model``'s function."""
+    _check_kinds(model, assigned)
     covered = _check_units(model, assigned, family, dims, tp_size, prefix) if family else set()
     _check_partners(assigned, covered)
     _check_regions(model, assigned, covered)

@@ -7,7 +7,7 @@ per second and what nccl-tests' bus bandwidth compares against (NVIDIA/nccl-test
 doc/PERFORMANCE.md). Sparse FLOP/s (2x dense) are kept only for reference and never used.
 
 Sources (vendor datasheets; where the PDF was not at hand, the secondary reproductions named in
-``shared/reference_cases/planner_cases.json``, cases ``hw_*``):
+``tests/data/planner_cases.json``, cases ``hw_*``):
 
 - A100: NVIDIA A100 Tensor Core GPU datasheet (2021) and "NVIDIA A100 Tensor Core GPU
   Architecture" whitepaper (2020): BF16 312 TFLOP/s dense, TF32 156; HBM2e 1,555 GB/s (40 GB
