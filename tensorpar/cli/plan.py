@@ -182,6 +182,7 @@ def _plot(args, model, hardware, result) -> None:
     step = "per step" if base.workload == "train" else "per prefill of the global batch"
     plot_tp_sweep(rows, args.plot, title=sweep_title(model, hardware, base, rows),
                   devices_per_node=hardware.devices_per_node, step=step)
+    print(f"wrote {args.plot}", file=sys.stderr)  # stderr: --json keeps stdout to one object
 
 
 def sweep_title(model, hardware, base, rows) -> str:
