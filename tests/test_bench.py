@@ -14,7 +14,7 @@ def test_mlp_bench_rows_are_complete_and_the_variants_agree():
     rows = run_mlp_bench(sizes=((16, 64),), repeats=3)
     assert [r["pass"] for r in rows] == ["fwd", "fwd+bwd"]
     for r in rows:
-        assert set(r["median_s"]) == {"tensorpar", "torch_tp", "dense_2t", "floor"}
+        assert set(r["median_s"]) == {"tensorpar", "torch_tp", "dense_2t", "floor", "floor_parts"}
         assert all(v > 0 for v in r["median_s"].values())
         assert r["tensorpar_vs_torch_tp"] == r["median_s"]["tensorpar"] / r["median_s"]["torch_tp"]
         assert r["max_abs_diff"] <= 1e-5  # both parallel MLPs compute the dense one (float32)

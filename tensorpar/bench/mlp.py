@@ -6,9 +6,11 @@ Variants, each timed on the slowest rank, interleaved round by round:
 - ``torch_tp``: the same weights under PyTorch's ``parallelize_module`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` (DTensor), one thread per rank.
 - ``dense_2t``: the unsplit MLP in one process (rank 0) with 2 threads while the other rank waits.
-- ``floor``: what no tensor-parallel MLP can beat on these ranks: the slowest rank's local work
-  (its two shard matmuls, bias and GELU, forward or forward+backward, on plain tensors) plus one
-  raw all-reduce of the output per pass (two with backward), each measured alone.
+- ``floor``: the slowest rank's local work (its two shard matmuls, bias and GELU, forward or
+  forward+backward, on plain tensors) and one raw all-reduce of the output (plus one of dX with
+  backward), in sequence: the same step hand-written with no framework at all.
+- ``floor_parts``: the same two parts, each timed alone with the ranks in step before it; below
+  ``floor`` by what the ranks lose waiting for each other inside a step (reported, not a target).
 """
 from __future__ import annotations
 
@@ -63,26 +65,39 @@ def _pass(model, x, grad, backward: bool):
 
 
 def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
-    """Local shard compute (plain tensors, no collectives) and the raw all-reduce(s) alone."""
+    """The floor, and its two parts alone, on plain tensors with raw collectives.
+
+    ``floor``: this rank's shard compute and the all-reduce(s) in sequence, as a hand-written
+    tensor-parallel MLP with no modules, no autograd operators and no checks would run them
+    (forward: local matmuls, all-reduce of the output; backward: local backward, all-reduce of
+    dX). ``compute`` and ``comm``: each part alone, the ranks in step before each.
+    """
     w1, b1 = tp.up.weight.detach().clone(), tp.up.bias.detach().clone()
     w2 = tp.down.weight.detach().clone()
     if backward:
         w1.requires_grad_(True), b1.requires_grad_(True), w2.requires_grad_(True)
     y_buf = torch.empty(x.shape, dtype=x.dtype)
 
-    def local():
+    def compute(reduce=None):
         if backward:
             xx = x.detach().requires_grad_(True)
-            F.linear(F.gelu(F.linear(xx, w1, b1)), w2).backward(grad)
+            y_partial = F.linear(F.gelu(F.linear(xx, w1, b1)), w2)
+            if reduce:
+                reduce(y_partial.detach().clone())  # forward all-reduce of the output
+            y_partial.backward(grad)
+            if reduce:
+                reduce(xx.grad)  # backward all-reduce of dX
             w1.grad = b1.grad = w2.grad = None
         else:
             with torch.no_grad():
-                F.linear(F.gelu(F.linear(x, w1, b1)), w2)
+                y_partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
+                if reduce:
+                    reduce(y_partial)
 
     def comm():
         for _ in range(2 if backward else 1):
             dist.all_reduce(y_buf)
-    return local, comm
+    return (lambda: compute(dist.all_reduce)), compute, comm
 
 
 def _repeat(fn, n):
@@ -109,17 +124,18 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
     n = _inner_iters(tokens, hidden)
     rows = []
     for backward in (False, True):
-        local, comm = _floor_parts(tp, x, grad, backward)
+        floor, local, comm = _floor_parts(tp, x, grad, backward)
         variants = {
             "tensorpar": _pass(tp, x.clone().requires_grad_(backward), grad, backward),
             "torch_tp": _pass(ttp, x.clone().requires_grad_(backward), grad, backward),
             "dense_2t": on_rank0_with_threads(_pass(dense, x.clone().requires_grad_(backward), grad, backward)),
+            "floor": floor,
             "floor_compute": local,
             "floor_comm": comm,
         }
         samples = interleaved({k: _repeat(f, n) for k, f in variants.items()}, repeats)
         med = {k: v / n for k, v in medians(samples).items()}
-        med["floor"] = med.pop("floor_compute") + med.pop("floor_comm")
+        med["floor_parts"] = med.pop("floor_compute") + med.pop("floor_comm")
         rows.append({"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
                      "pass": "fwd+bwd" if backward else "fwd", "tp": dist.get_world_size(),
                      "repeats": repeats, "calls_per_sample": n, "max_abs_diff": max_diff,
