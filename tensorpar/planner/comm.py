@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from .collectives import ring_bytes_sent
+from .collectives import pp_p2p_bytes, ring_bytes_sent
 from .layout import Layout
 from .models import ModelSpec
 from .params import layers_per_stage, padded, position_params
@@ -206,8 +206,8 @@ def pp_collectives(model: ModelSpec, layout: Layout, *, stage: str, seq: int | N
     phase = _phase(layout, phase)
     s = model.seq if seq is None else seq
     t, e = layout.tp, layout.bytes_per_elem
-    n = layout.micro_batch * s * model.hidden * e
-    shard = n / t
+    n = pp_p2p_bytes(layout.micro_batch, s, model.hidden, e)
+    shard = pp_p2p_bytes(layout.micro_batch, s, model.hidden, e, tp=t, scatter_gather=True)
     items = []
     directions = [("forward", stage != "last", stage != "first")]
     if phase == "training":

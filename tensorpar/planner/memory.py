@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .layout import RECOMPUTE, ZERO_STAGES, check_choice
 from .models import ModelSpec
-from .params import ceil_div, heads_per_device, kv_heads_per_device, layers_per_stage
+from .params import ceil_div, heads_per_device, kv_heads_per_device, kv_replication, layers_per_stage
 
 
 def korthikanti_table2(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
@@ -97,7 +97,7 @@ def kv_cache_bytes_per_token(model: ModelSpec, *, tp: int = 1, pp: int = 1, byte
     per_device = 2 * layers_per_stage(model, pp) * g_t * model.head_dim * bytes_per_elem
     replicated_total = 2 * model.layers * g_t * tp * model.head_dim * bytes_per_elem
     return {"total": total, "per_device": per_device, "replicated_total": replicated_total,
-            "replication": max(1, tp // model.kv_heads)}
+            "replication": kv_replication(model, tp)}
 
 
 def optimizer_bytes_per_param(bytes_per_elem: int) -> int:

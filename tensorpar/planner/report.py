@@ -15,7 +15,7 @@ from .layout import Layout, group_placement
 from .models import ModelSpec
 from .params import (ceil_div, count_params, embedding_params, layer_params, layers_per_stage,
                      stage_params_per_device)
-from .timing import (comm_time_estimate, comm_time_lower_bound, compute_time_lower_bound,
+from .timing import (comm_time_estimate, comm_time_lower_bound, compute_time_lower_bound, decode_bytes_read_per_device,
                      memory_time_lower_bound, pipeline_bubble_fraction, steps_per_s_upper_bound)
 
 ASSUMPTIONS = [
@@ -228,7 +228,7 @@ def _fill_inference(report: PlanReport, c: _Ctx, kv_link, kv_tokens) -> None:
     report.inference_flops = {"decode_step": decode_flops,
                               "prefill_micro_batch": F.prefill_flops(m, b, m.seq),
                               "prefill_global_batch": F.prefill_flops(m, lay.global_batch, m.seq)}
-    terms = {"hbm_s": memory_time_lower_bound(weights + kv_read, c.hw.hbm_bytes_per_s),
+    terms = {"hbm_s": memory_time_lower_bound(decode_bytes_read_per_device(weights, kv_read), c.hw.hbm_bytes_per_s),
              "compute_s": compute_time_lower_bound(decode_flops, lay.tp, c.peak),
              "comm_s": comm_time_lower_bound(decode_items, c.placement, lay.pp, c.intra, c.inter)["total_s"],
              "weight_bytes_read_per_device": weights, "kv_bytes_read_per_device": kv_read}
