@@ -67,7 +67,65 @@ def mappings_worker(shapes):
         y.backward(gs[r])
         report.append(("sp_scatter_fwd", torch.equal(y, xs[r])))
         report.append(("sp_scatter_bwd", torch.equal(x.grad, torch.cat(gs, dim=1))))
+        report += _bare_forward_checks(xs, r, p)
+        report += _in_place_reduce_checks(xs, gs, r)
+        report += _fused_linear_checks(xs, gs, r, p, seed=1_000 + i)
     return report
+
+
+def _bare_forward_checks(xs, r, p):
+    """With no gradient to carry, the operators run without autograd: same values, inputs intact."""
+    checks = []
+    for mode, make in (("no_grad", lambda t: t.clone()), ("no_requires_grad", lambda t: t.clone())):
+        with torch.set_grad_enabled(mode != "no_grad"):
+            x = make(xs[r])
+            y = dist.reduce_from_tp_region(x)
+            checks.append((f"{mode}_reduce", _close(y, sum(xs)) and torch.equal(x, xs[r])))
+            checks.append((f"{mode}_copy", dist.copy_to_tp_region(x) is x))
+            y = dist.gather_from_tp_region(x.chunk(p, dim=-1)[0].contiguous())
+            checks.append((f"{mode}_gather", torch.equal(y, torch.cat([t.chunk(p, -1)[0] for t in xs], -1))
+                           and y.grad_fn is None))
+    return checks
+
+
+def _in_place_reduce_checks(xs, gs, r):
+    """reduce_from_tp_region(in_place=True): the sum lands in the caller's own tensor, the
+    gradient passes through unchanged, and an op that saved that tensor fails loudly."""
+    x = xs[r].clone().requires_grad_(True)
+    z = x * 2.0  # MulBackward keeps the scalar, not z
+    y = dist.reduce_from_tp_region(z, in_place=True)
+    y.backward(gs[r])
+    checks = [("in_place_same_tensor", y is z), ("in_place_fwd", _close(y, 2.0 * sum(xs))),
+              ("in_place_bwd", _close(x.grad, 2.0 * gs[r]))]
+    x = xs[r].clone().requires_grad_(True)
+    z = x.exp()  # ExpBackward saves its output: summing into it must break backward
+    y = dist.reduce_from_tp_region(z, in_place=True)
+    try:
+        y.backward(gs[r])
+        checks.append(("in_place_saved_output_fails", False))
+    except RuntimeError as e:
+        checks.append(("in_place_saved_output_fails", "modified by an inplace operation" in str(e)))
+    return checks
+
+
+def _fused_linear_checks(xs, gs, r, p, seed):
+    """linear_with_grad_allreduce against F.linear(copy_to_tp_region(x)): rank k holds W_k, b_k.
+
+    y_r = x W_r^T + b_r; dX = sum_k g_k W_k (all-reduced); dW_r = g_r^T x; db_r = sum of g_r.
+    """
+    h = xs[r].shape[-1]
+    ws = [_seeded((2 * h, h), seed + k) for k in range(p)]
+    bs = [_seeded((2 * h,), seed + 100 + k) for k in range(p)]
+    gys = [torch.cat([g, g.flip(-1)], dim=-1) * (k + 1) for k, g in enumerate(gs)]  # (..., 2h)
+    x = xs[0].clone().requires_grad_(True)  # replicated input
+    w, b = ws[r].clone().requires_grad_(True), bs[r].clone().requires_grad_(True)
+    y = dist.linear_with_grad_allreduce(x, w, b)
+    y.backward(gys[r])
+    dx = sum(gy @ wk for gy, wk in zip(gys, ws))
+    g2, x2 = gys[r].reshape(-1, 2 * h), xs[0].reshape(-1, h)
+    return [("fused_fwd", _close(y, torch.nn.functional.linear(xs[0], ws[r], bs[r]))),
+            ("fused_dx", _close(x.grad, dx)), ("fused_dw", _close(w.grad, g2.t() @ x2)),
+            ("fused_db", _close(b.grad, g2.sum(0)))]
 
 
 def _close(a, b):
@@ -100,6 +158,19 @@ def ledger_worker(shape):
     return {"records": [r.to_dict() for r in led.records], "by_op": led.by_op(),
             "by_module": led.by_module(), "total": led.total_bytes_sent(),
             "shapes": [tuple(g.shape), tuple(rs.shape), tuple(m.shape), tuple(outside.shape)]}
+
+
+def fused_ledger_worker(shape):
+    """A column-parallel linear's overlapped backward all-reduce, as the ledger sees it."""
+    from tensorpar.nn import ColumnParallelLinear
+
+    model = torch.nn.ModuleDict({"up": ColumnParallelLinear(shape[-1], 2 * shape[-1], dtype=torch.float64)})
+    x = _seeded(shape, 1).requires_grad_(True)
+    with dist.ledger(model=model) as train:
+        model["up"](x).sum().backward()
+    with dist.ledger(model=model) as infer, torch.no_grad():
+        model["up"](x)
+    return [r.to_dict() for r in train.records], len(infer.records)
 
 
 def subgroup_worker():

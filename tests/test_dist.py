@@ -21,7 +21,7 @@ def test_mappings_forward_and_backward_equal_dense(world):
     for rank, checks in enumerate(report):
         failed = [name for name, ok in checks if not ok]
         assert not failed, f"world {world}, rank {rank}: {failed}"
-        assert len(checks) == 14 * len(SHAPES)
+        assert len(checks) == (14 + 6 + 4 + 4) * len(SHAPES)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -47,6 +47,17 @@ def test_ledger_records_every_collective_with_ring_bytes(world):
         assert res["shapes"] == [(2, 3, 8 * world), (2, 3, 8), (2, 3, 8), (2, 3, 8)]
         assert {r["group_size"] for r in res["records"]} == {world}
         assert {r["dtype"] for r in res["records"]} == {"float64"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_backward_all_reduce_is_recorded_once(world):
+    shape = (2, 3, 8)
+    n = 2 * 3 * 8 * 8  # float64 bytes of dX
+    for records, inference_count in dist.launch(W.fused_ledger_worker, world, shape, deadline=120):
+        assert [(r["op"], r["phase"], r["module"], tuple(r["shape"])) for r in records] == \
+            [("all_reduce", "backward", "up", shape)]
+        assert records[0]["bytes_sent"] == 2 * (world - 1) * n / world
+        assert inference_count == 0  # no column-parallel communication without a gradient
 
 
 def test_ring_bytes_formulas_of_the_source_exercise():

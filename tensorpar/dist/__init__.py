@@ -11,6 +11,7 @@ from tensorpar.dist.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
+    linear_with_grad_allreduce,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -23,6 +24,6 @@ __all__ = [
     "all_reduce", "all_gather", "reduce_scatter", "broadcast",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-    "reduce_scatter_to_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "linear_with_grad_allreduce",
     "ledger", "Ledger", "CollectiveRecord", "ring_bytes_sent",
 ]

@@ -8,11 +8,16 @@ sending one chunk of N/p): gloo's native reduce-scatter does not document its al
 ledger must record the bytes really sent, ``(p - 1)/p * N``. ``record_to`` names the ledger a
 collective records into (the backward of an autograd operator passes the one its forward saw,
 since backward may run on another thread); by default, the ledger open in this context.
+
+The in-place collectives (all-reduce, broadcast) bump the tensor's version counter, which c10d
+does not: a tensor that autograd saved and a collective then overwrote makes backward fail with
+torch's "modified by an inplace operation" error instead of using the new values silently.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
+from torch.autograd.graph import increment_version
 
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
@@ -31,15 +36,21 @@ def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None
 
 
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
-               module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
-    """In-place all-reduce of ``x`` (no autograd); returns ``x``."""
+               module: str | None = None, record_to: Ledger | None = None,
+               async_op: bool = False):
+    """In-place all-reduce of ``x`` (no autograd); returns ``x``.
+
+    ``async_op=True`` returns at once with a handle instead: ``x`` holds the sum after
+    ``handle.wait()`` (``None`` for a group of one, where there is nothing to wait for).
+    """
     if op not in _OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
     if group_size(group) == 1:
-        return x
+        return None if async_op else x
     _record("all_reduce", x, group, phase, module, record_to=record_to)
-    tdist.all_reduce(x, op=_OPS[op], group=group)
-    return x
+    work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
+    increment_version(x)
+    return work if async_op else x
 
 
 def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
@@ -99,6 +110,7 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
     _record("broadcast", x, group, "forward", module, src=src)
     global_src = tdist.get_global_rank(group, src) if group is not None else src
     tdist.broadcast(x, src=global_src, group=group)
+    increment_version(x)
     return x
 
 

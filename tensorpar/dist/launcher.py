@@ -183,6 +183,7 @@ def _died(rank: int, proc) -> RankFailedError:
 
 
 def _stop_all(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # a start that failed left later ranks unstarted
     for p in procs:
         if p.is_alive():
             p.terminate()
