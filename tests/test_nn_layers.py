@@ -84,6 +84,24 @@ def column_case(group, in_f, out_f, bias, gather, lead, dtype, seed):
     return errs
 
 
+def column_frozen_case(group, lead, dtype, seed):
+    """A frozen weight (no dW: the fused backward skips that GEMM) and a bare vector input."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(seed)
+    dense = nn.Linear(8, 16, dtype=dtype)
+    dense.weight.requires_grad_(False)
+    layer = tn.ColumnParallelLinear.from_dense(dense, tp_group=group)
+    x_d = randn((*lead, 8), seed + 1, dtype).requires_grad_()
+    x_p = x_d.detach().clone().requires_grad_()
+    y_d, y_p = dense(x_d), layer(x_p)
+    g = randn(y_d.shape, seed + 2, dtype)
+    y_d.backward(g)
+    y_p.backward(padded_slice(g, -1, r, p))
+    return {"y": rel_err(y_p, padded_slice(y_d, -1, r, p)), "dx": rel_err(x_p.grad, x_d.grad),
+            "db": rel_err(layer.bias.grad, padded_slice(dense.bias.grad, 0, r, p)),
+            "no dW": float(layer.weight.grad is not None)}
+
+
 def row_case(group, in_f, out_f, bias, input_is_parallel, lead, dtype, seed):
     p, r = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(seed)
@@ -181,6 +199,9 @@ def layers_worker():
                     for reduction in ("mean", "sum", "none"):
                         out[("ce", p, dtype, lead, vocab, reduction)] = \
                             cross_entropy_case(group, vocab, lead, reduction, dtype, seed)
+            for lead in ((), (3,), (2, 3)):
+                seed += 10
+                out[("column", p, dtype, lead, "frozen")] = column_frozen_case(group, lead, dtype, seed)
         out[("init", p)] = init_case(group, seed=123)
     return out
 
@@ -213,6 +234,7 @@ def test_every_tp_size_and_shape_was_covered(results):
     for p in (1, 2, 4):
         assert ("column", p, torch.float32, (4,), False, 8, 6, True) in keys
         assert ("ce", p, torch.float64, (2, 3), 5, "none") in keys
+        assert ("column", p, torch.float64, (), "frozen") in keys
 
 
 def test_direct_construction_gives_the_same_model_at_every_tp_size(results):

@@ -44,6 +44,11 @@ def enter_tp_region(x: torch.Tensor, tp_group, sequence_parallel: bool) -> torch
     return dist.copy_to_tp_region(x, group=tp_group)
 
 
+def _grads(linear: nn.Linear) -> tuple[bool, bool]:
+    """Whether the weight and the bias of ``linear`` train: a shard keeps each one's own flag."""
+    return linear.weight.requires_grad, linear.bias is not None and linear.bias.requires_grad
+
+
 def _param(t: torch.Tensor | None, requires_grad: bool = True) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t.detach().clone().contiguous(), requires_grad)
 
@@ -82,7 +87,9 @@ class ColumnParallelLinear(nn.Module):
       with ``sequence_parallel`` X arrives split along the sequence and is all-gathered first
       ((p-1)/p * N_X).
     - backward: all-reduce of dX (2(p-1)/p * N_X), since rank i only has the partial
-      ``dY_i A_i^T``; with ``sequence_parallel`` a reduce-scatter of dX instead ((p-1)/p * N_X).
+      ``dY_i A_i^T``, issued as soon as dX exists and waited for after dW is computed (the
+      overlap of Megatron-LM's async all-reduce); with ``sequence_parallel`` a reduce-scatter
+      of dX instead ((p-1)/p * N_X).
 
     ``skip_input_comm=True``: the caller has already entered the tensor-parallel region (one
     copy or sequence gather shared by several column-parallel linears, as in ParallelMLP) and
@@ -99,7 +106,7 @@ class ColumnParallelLinear(nn.Module):
         self._configure(in_features, out_features, tp_group, gather_output, sequence_parallel,
                         skip_input_comm, pad_out_features)
         master = _master_linear(in_features, out_features, bias, init_method, dtype, device)
-        self._load(master.weight, master.bias, requires_grad=True)
+        self._load(master.weight, master.bias, (True, True))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group=None, gather_output: bool = False,
@@ -110,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         nn.Module.__init__(self)
         self._configure(linear.in_features, linear.out_features, tp_group, gather_output,
                         sequence_parallel, skip_input_comm, pad_out_features)
-        self._load(linear.weight, linear.bias, linear.weight.requires_grad)
+        self._load(linear.weight, linear.bias, _grads(linear))
         return self
 
     def _configure(self, in_features, out_features, tp_group, gather_output, sequence_parallel,
@@ -130,9 +137,9 @@ class ColumnParallelLinear(nn.Module):
         start, end = self.output_start_index, self.output_end_index
         per = self.out_features_per_partition
         with torch.no_grad():
-            self.weight = _param(_rows(weight, start, end, per), requires_grad)  # (out/p, in)
+            self.weight = _param(_rows(weight, start, end, per), requires_grad[0])  # (out/p, in)
             self.bias = _param(None if bias is None else _rows(bias, start, end, per),
-                               requires_grad)                                       # (out/p,)
+                               requires_grad[1])                                       # (out/p,)
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.skip_input_comm:
@@ -144,7 +151,10 @@ class ColumnParallelLinear(nn.Module):
         check_dtype(x, self.weight, type(self).__name__)
         if self.sequence_parallel and not self.skip_input_comm:
             check_sequence_input(x, type(self).__name__)
-        y_shard = F.linear(self._enter(x), self.weight, self.bias)  # (..., out/p)
+        if self.skip_input_comm or self.sequence_parallel:
+            y_shard = F.linear(self._enter(x), self.weight, self.bias)  # (..., out/p)
+        else:  # f fused in: backward overlaps the all-reduce of dX with dW
+            y_shard = dist.linear_with_grad_allreduce(x, self.weight, self.bias, self.tp_group)
         if not self.gather_output:
             return y_shard
         y = dist.gather_from_tp_region(y_shard, group=self.tp_group)  # (..., padded out)
@@ -177,7 +187,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self._configure(in_features, out_features, tp_group, input_is_parallel, sequence_parallel)
         master = _master_linear(in_features, out_features, bias, init_method, dtype, device)
-        self._load(master.weight, master.bias, requires_grad=True)
+        self._load(master.weight, master.bias, (True, True))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group=None, input_is_parallel: bool = True,
@@ -187,7 +197,7 @@ class RowParallelLinear(nn.Module):
         nn.Module.__init__(self)
         self._configure(linear.in_features, linear.out_features, tp_group, input_is_parallel,
                         sequence_parallel)
-        self._load(linear.weight, linear.bias, linear.weight.requires_grad)
+        self._load(linear.weight, linear.bias, _grads(linear))
         return self
 
     def _configure(self, in_features, out_features, tp_group, input_is_parallel,
@@ -205,8 +215,8 @@ class RowParallelLinear(nn.Module):
         start = self.tp_rank * self.in_features_per_partition
         end = start + self.in_features_per_partition
         with torch.no_grad():
-            self.weight = _param(weight[:, start:end], requires_grad)  # (out, in/p)
-            self.bias = _param(bias, requires_grad)                    # (out,) replicated
+            self.weight = _param(weight[:, start:end], requires_grad[0])  # (out, in/p)
+            self.bias = _param(bias, requires_grad[1])                    # (out,) replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = self.in_features_per_partition if self.input_is_parallel else self.in_features
@@ -225,7 +235,8 @@ class RowParallelLinear(nn.Module):
             bias = None if self.bias is None else dist.copy_to_tp_region(self.bias,
                                                                          group=self.tp_group)
         else:
-            y = dist.reduce_from_tp_region(y_partial, group=self.tp_group)  # (..., out)
+            # (..., out): y_partial is this layer's own matmul output, summed in place
+            y = dist.reduce_from_tp_region(y_partial, group=self.tp_group, in_place=True)
             bias = self.bias
         return y if bias is None else y + bias
 
