@@ -7,6 +7,23 @@ import pytest
 
 from tensorpar.bench.mlp import run_mlp_bench
 from tensorpar.bench.report import mlp_table
+from tensorpar.bench.timing import paired_ratio
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    # round 2 ran under load for both variants: its pair still says 2, the medians would not
+    samples = {"a": [2.0, 4.0, 20.0], "b": [1.0, 2.0, 10.0], "c": [0.5, 1.0, 0.1]}
+    assert paired_ratio(samples, "a", "b") == 2.0
+    assert paired_ratio(samples, "a", ["b", "c"]) == pytest.approx(4.0 / 3.0)  # parts added per round
+
+
+def test_interleaved_rotates_the_order_each_round():
+    from tensorpar.bench import timing
+
+    calls = []
+    variants = {name: (lambda name=name: calls.append(name)) for name in "xyz"}
+    samples = timing.interleaved(variants, repeats=3, warmup=0)
+    assert calls == list("xyzyzxzxy") and all(len(v) == 3 for v in samples.values())
 
 
 @pytest.mark.multirank
@@ -16,7 +33,10 @@ def test_mlp_bench_rows_are_complete_and_the_variants_agree():
     for r in rows:
         assert set(r["median_s"]) == {"tensorpar", "torch_tp", "dense_2t", "floor", "floor_parts"}
         assert all(v > 0 for v in r["median_s"].values())
-        assert r["tensorpar_vs_torch_tp"] == r["median_s"]["tensorpar"] / r["median_s"]["torch_tp"]
+        samples = r["samples_s"]
+        assert len(samples["tensorpar"]) == r["rounds"] == 15  # 3 x 5: short samples, more rounds
+        per_round = sorted(a / b for a, b in zip(samples["tensorpar"], samples["torch_tp"]))
+        assert r["tensorpar_vs_torch_tp"] == pytest.approx(per_round[len(per_round) // 2], rel=1e-12)
         assert r["max_abs_diff"] <= 1e-5  # both parallel MLPs compute the dense one (float32)
     table = mlp_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| 16 | 64 | fwd |" in table

@@ -1,14 +1,15 @@
 """Tensor-parallel MLP (column -> GELU -> row) against its baselines, in one launch.
 
-Variants, each timed on the slowest rank, interleaved round by round:
+Variants, each timed on the slowest rank, interleaved round by round (the order rotating); each
+ratio is the median over rounds of the two variants' times in the same round:
 
 - ``tensorpar``: ColumnParallelLinear -> GELU -> RowParallelLinear, one thread per rank.
 - ``torch_tp``: the same weights under PyTorch's ``parallelize_module`` with
   ``ColwiseParallel`` / ``RowwiseParallel`` (DTensor), one thread per rank.
 - ``dense_2t``: the unsplit MLP in one process (rank 0) with 2 threads while the other rank waits.
-- ``floor``: the slowest rank's local work (its two shard matmuls, bias and GELU, forward or
-  forward+backward, on plain tensors) and one raw all-reduce of the output (plus one of dX with
-  backward), in sequence: the same step hand-written with no framework at all.
+- ``floor``: the slowest rank's local work (its two shard matmuls, the biases and GELU, forward
+  or forward+backward, on plain tensors) and one raw all-reduce of the output (plus one of dX
+  with backward), in sequence: the same step hand-written with no framework at all.
 - ``floor_parts``: the same two parts, each timed alone with the ranks in step before it; below
   ``floor`` by what the ranks lose waiting for each other inside a step (reported, not a target).
 """
@@ -20,7 +21,8 @@ from torch import nn
 
 from tensorpar import dist
 from tensorpar.bench.baselines import torch_tp_mlp
-from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, wait_ready
+from tensorpar.bench.timing import (interleaved, medians, on_rank0_with_threads, paired_ratio,
+                                    wait_ready)
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear
 
 # (tokens, hidden): decode-like to large; ffn = 4 * hidden.
@@ -46,17 +48,29 @@ class TensorparMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _inner_iters(tokens: int, hidden: int) -> int:
-    """Calls per timed sample, so a sample lasts well above the timer's and barrier's jitter."""
+def _sampling(tokens: int, hidden: int, repeats: int) -> tuple[int, int]:
+    """``(calls per timed sample, rounds)`` for one size.
+
+    A sample lasts well above the timer's and the barrier's jitter (up to 40 calls, ~2 GFLOP).
+    Where a sample is that short (small sizes, whose time is mostly collective latency), the
+    run takes five times ``repeats`` rounds: on this shared machine the latency of one 8 kB
+    gloo all-reduce drifts between ~0.3 and ~1.7 ms from second to second, and many short
+    rounds pair each variant with its baseline more closely in time than a few long ones.
+    """
     flops = 2 * 2 * tokens * hidden * 4 * hidden
-    return max(1, min(200, int(2e9 // max(flops, 1))))
+    calls = max(1, min(40, int(2e9 // max(flops, 1))))
+    return calls, repeats * 5 if calls >= 8 else repeats
 
 
 def _pass(model, x, grad, backward: bool):
+    params = list(model.parameters())  # gradients reset by hand, as the floor does: the harness's
+                                       # module walk (zero_grad) is not the layers' cost
+
     def run():
         if backward:
             x.grad = None
-            model.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
             model(x).backward(grad)
         else:
             with torch.no_grad():
@@ -72,10 +86,9 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
     (forward: local matmuls, all-reduce of the output; backward: local backward, all-reduce of
     dX). ``compute`` and ``comm``: each part alone, the ranks in step before each.
     """
-    w1, b1 = tp.up.weight.detach().clone(), tp.up.bias.detach().clone()
-    w2 = tp.down.weight.detach().clone()
-    if backward:
-        w1.requires_grad_(True), b1.requires_grad_(True), w2.requires_grad_(True)
+    params = [t.detach().clone().requires_grad_(backward)
+              for t in (tp.up.weight, tp.up.bias, tp.down.weight, tp.down.bias)]
+    w1, b1, w2, b2 = params
     y_buf = torch.empty(x.shape, dtype=x.dtype)
 
     def compute(reduce=None):
@@ -84,15 +97,17 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
             y_partial = F.linear(F.gelu(F.linear(xx, w1, b1)), w2)
             if reduce:
                 reduce(y_partial.detach().clone())  # forward all-reduce of the output
-            y_partial.backward(grad)
+            (y_partial + b2).backward(grad)  # the bias, added once after the sum
             if reduce:
                 reduce(xx.grad)  # backward all-reduce of dX
-            w1.grad = b1.grad = w2.grad = None
+            for p in params:
+                p.grad = None
         else:
             with torch.no_grad():
                 y_partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
                 if reduce:
                     reduce(y_partial)
+                y_partial + b2
 
     def comm():
         for _ in range(2 if backward else 1):
@@ -121,7 +136,7 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1))
     grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 2))
     max_diff = _check_equal(dense, tp, ttp, x)
-    n = _inner_iters(tokens, hidden)
+    n, rounds = _sampling(tokens, hidden, repeats)
     rows = []
     for backward in (False, True):
         floor, local, comm = _floor_parts(tp, x, grad, backward)
@@ -133,16 +148,17 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
             "floor_compute": local,
             "floor_comm": comm,
         }
-        samples = interleaved({k: _repeat(f, n) for k, f in variants.items()}, repeats)
+        samples = interleaved({k: _repeat(f, n) for k, f in variants.items()}, rounds)
         med = {k: v / n for k, v in medians(samples).items()}
         med["floor_parts"] = med.pop("floor_compute") + med.pop("floor_comm")
         rows.append({"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
                      "pass": "fwd+bwd" if backward else "fwd", "tp": dist.get_world_size(),
-                     "repeats": repeats, "calls_per_sample": n, "max_abs_diff": max_diff,
-                     "median_s": med,
-                     "tensorpar_vs_torch_tp": med["tensorpar"] / med["torch_tp"],
-                     "tensorpar_vs_floor": med["tensorpar"] / med["floor"],
-                     "tensorpar_vs_dense_2t": med["tensorpar"] / med["dense_2t"]})
+                     "rounds": rounds, "calls_per_sample": n, "max_abs_diff": max_diff,
+                     "median_s": med, "samples_s": {k: [t / n for t in v] for k, v in samples.items()},
+                     **{f"tensorpar_vs_{d}": paired_ratio(samples, "tensorpar", d)
+                        for d in ("torch_tp", "floor", "dense_2t")},
+                     "tensorpar_vs_floor_parts": paired_ratio(samples, "tensorpar",
+                                                              ["floor_compute", "floor_comm"])})
     return rows
 
 

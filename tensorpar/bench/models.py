@@ -1,6 +1,7 @@
 """A ~25M-parameter Llama-style model at tp=2: tensorpar against its baselines, in one launch.
 
-Variants, interleaved round by round, each timed on the slowest rank:
+Variants, interleaved round by round (the order rotating), each timed on the slowest rank; each
+ratio is the median over rounds of the two variants' times in the same round:
 
 - ``tensorpar``: the checkpoint loaded shard by shard (``load_sharded``), one thread per rank;
   training loss from vocab-sharded logits (``causal_lm_loss``).
@@ -21,7 +22,7 @@ import warnings
 import torch
 
 from tensorpar import dist
-from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, wait_ready
+from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio, wait_ready
 
 BATCH, SEQ = 4, 128
 
@@ -80,11 +81,13 @@ def models_worker(path, repeats):
     rows = []
     for i, name in enumerate(("fwd", "train")):
         variants = {k: (on_rank0_with_threads(v[i]) if k == "dense_2t" else v[i]) for k, v in steps.items()}
-        med = medians(interleaved(variants, repeats))
+        samples = interleaved(variants, repeats)
+        med = medians(samples)
         rows.append({"label": f"llama {load.checkpoint_bytes / 4e6:.1f}M, {BATCH}x{SEQ}", "pass": name,
-                     "tp": dist.get_world_size(), "repeats": repeats, "max_abs_diff": diff, "median_s": med,
-                     "tensorpar_vs_hf_tp": med["tensorpar"] / med["hf_tp"],
-                     "tensorpar_vs_dense_2t": med["tensorpar"] / med["dense_2t"],
+                     "tp": dist.get_world_size(), "rounds": repeats, "max_abs_diff": diff, "median_s": med,
+                     "samples_s": samples,
+                     "tensorpar_vs_hf_tp": paired_ratio(samples, "tensorpar", "hf_tp"),
+                     "tensorpar_vs_dense_2t": paired_ratio(samples, "tensorpar", "dense_2t"),
                      "param_bytes_total": _param_bytes(dense), "param_bytes_per_rank": _param_bytes(tp),
                      "hf_tp_param_bytes_per_rank": _param_bytes(hf)})
     return rows

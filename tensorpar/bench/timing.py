@@ -23,20 +23,34 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> di
     """Run every variant once per round, ``repeats`` rounds; returns the per-variant samples.
 
     Interleaving puts each variant under the same background load, so their ratio is fair even
-    when the machine's speed drifts between rounds.
+    when the machine's speed drifts between rounds. The order rotates by one each round, so no
+    variant always runs first after the barrier or always follows the same neighbour.
     """
+    names = list(variants)
     for _ in range(warmup):
         for fn in variants.values():
             timed(fn, group)
-    samples = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            samples[name].append(timed(fn, group))
+    samples = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            samples[name].append(timed(variants[name], group))
     return samples
 
 
 def medians(samples: dict) -> dict:
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def paired_ratio(samples: dict, num: str, den) -> float:
+    """Median over rounds of ``num``'s time over ``den``'s in the same round.
+
+    ``den``: a variant name, or a list of names whose times are added (parts timed apart). A
+    round's pair ran back to back under the same load, so this ratio is steadier on a shared
+    machine than the ratio of two medians, whose rounds may have fallen in different load.
+    """
+    parts = [den] if isinstance(den, str) else list(den)
+    per_round = [a / sum(samples[d][i] for d in parts) for i, a in enumerate(samples[num])]
+    return statistics.median(per_round)
 
 
 def on_rank0_with_threads(fn, threads: int = 2):
