@@ -123,9 +123,16 @@ def _fused_linear_checks(xs, gs, r, p, seed):
     y.backward(gys[r])
     dx = sum(gy @ wk for gy, wk in zip(gys, ws))
     g2, x2 = gys[r].reshape(-1, 2 * h), xs[0].reshape(-1, h)
-    return [("fused_fwd", _close(y, torch.nn.functional.linear(xs[0], ws[r], bs[r]))),
-            ("fused_dx", _close(x.grad, dx)), ("fused_dw", _close(w.grad, g2.t() @ x2)),
-            ("fused_db", _close(b.grad, g2.sum(0)))]
+    checks = [("fused_fwd", _close(y, torch.nn.functional.linear(xs[0], ws[r], bs[r]))),
+              ("fused_dx", _close(x.grad, dx)), ("fused_dw", _close(w.grad, g2.t() @ x2)),
+              ("fused_db", _close(b.grad, g2.sum(0)))]
+    # its output takes in-place ops (ReLU(inplace=True) after a column-parallel layer)
+    x = xs[0].clone().requires_grad_(True)
+    y = dist.linear_with_grad_allreduce(x, ws[r].clone().requires_grad_(True), bs[r]).relu_()
+    y.backward(gys[r])
+    masks = [torch.nn.functional.linear(xs[0], wk, bk) > 0 for wk, bk in zip(ws, bs)]
+    checks.append(("fused_then_in_place", _close(x.grad, sum((gy * m) @ wk for gy, m, wk in zip(gys, masks, ws)))))
+    return checks
 
 
 def _close(a, b):

@@ -21,7 +21,7 @@ def test_mappings_forward_and_backward_equal_dense(world):
     for rank, checks in enumerate(report):
         failed = [name for name, ok in checks if not ok]
         assert not failed, f"world {world}, rank {rank}: {failed}"
-        assert len(checks) == (14 + 6 + 4 + 4) * len(SHAPES)
+        assert len(checks) == (14 + 6 + 4 + 5) * len(SHAPES)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -51,11 +51,11 @@ class TensorparMLP(nn.Module):
 def _sampling(tokens: int, hidden: int, repeats: int) -> tuple[int, int]:
     """``(calls per timed sample, rounds)`` for one size.
 
-    A sample lasts well above the timer's and the barrier's jitter (up to 40 calls, ~2 GFLOP).
-    Where a sample is that short (small sizes, whose time is mostly collective latency), the
-    run takes five times ``repeats`` rounds: on this shared machine the latency of one 8 kB
-    gloo all-reduce drifts between ~0.3 and ~1.7 ms from second to second, and many short
-    rounds pair each variant with its baseline more closely in time than a few long ones.
+    A sample lasts well above the timer's and the barrier's jitter: up to 40 calls, ~2 GFLOP.
+    Sizes that need 8 or more calls for that (16 x 128 and 128 x 256, whose time is mostly
+    collective latency) run five times ``repeats`` rounds: on this shared machine the latency of
+    one 8 kB gloo all-reduce drifts between ~0.3 and ~1.7 ms from second to second, and many
+    short rounds pair each variant with its baseline more closely in time than a few long ones.
     """
     flops = 2 * 2 * tokens * hidden * 4 * hidden
     calls = max(1, min(40, int(2e9 // max(flops, 1))))
@@ -83,8 +83,10 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
 
     ``floor``: this rank's shard compute and the all-reduce(s) in sequence, as a hand-written
     tensor-parallel MLP with no modules, no autograd operators and no checks would run them
-    (forward: local matmuls, all-reduce of the output; backward: local backward, all-reduce of
-    dX). ``compute`` and ``comm``: each part alone, the ranks in step before each.
+    (forward: local matmuls, all-reduce of the output in place, bias; backward: local backward,
+    then the all-reduce of dX). ``compute`` and ``comm``: each part alone, the ranks in step
+    before each. Both are sums of parts in sequence, as the issue's floor is: tensorpar's
+    backward overlaps the dX all-reduce with the dW GEMM, so it can come in below them.
     """
     params = [t.detach().clone().requires_grad_(backward)
               for t in (tp.up.weight, tp.up.bias, tp.down.weight, tp.down.bias)]
@@ -96,8 +98,8 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
             xx = x.detach().requires_grad_(True)
             y_partial = F.linear(F.gelu(F.linear(xx, w1, b1)), w2)
             if reduce:
-                reduce(y_partial.detach().clone())  # forward all-reduce of the output
-            (y_partial + b2).backward(grad)  # the bias, added once after the sum
+                reduce(y_partial.detach())  # forward all-reduce of the output, in place
+            y_partial.add_(b2).backward(grad)  # the bias, added once after the sum
             if reduce:
                 reduce(xx.grad)  # backward all-reduce of dX
             for p in params:
@@ -107,7 +109,7 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
                 y_partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
                 if reduce:
                     reduce(y_partial)
-                y_partial + b2
+                y_partial.add_(b2)
 
     def comm():
         for _ in range(2 if backward else 1):

@@ -23,8 +23,9 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> di
     """Run every variant once per round, ``repeats`` rounds; returns the per-variant samples.
 
     Interleaving puts each variant under the same background load, so their ratio is fair even
-    when the machine's speed drifts between rounds. The order rotates by one each round, so no
-    variant always runs first after the barrier or always follows the same neighbour.
+    when the machine's speed drifts between rounds. The order rotates by one each round and runs
+    backwards in every other cycle of rotations, so no variant always runs first after the
+    barrier, and each follows either neighbour as often as the other.
     """
     names = list(variants)
     for _ in range(warmup):
@@ -32,9 +33,16 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> di
             timed(fn, group)
     samples = {name: [] for name in names}
     for i in range(repeats):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in round_order(names, i):
             samples[name].append(timed(variants[name], group))
     return samples
+
+
+def round_order(names: list, i: int) -> list:
+    """Round ``i``'s order: ``names`` rotated by i, reversed when ``i // len(names)`` is odd."""
+    k = i % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (i // len(names)) % 2 else order
 
 
 def medians(samples: dict) -> dict:
@@ -45,8 +53,8 @@ def paired_ratio(samples: dict, num: str, den) -> float:
     """Median over rounds of ``num``'s time over ``den``'s in the same round.
 
     ``den``: a variant name, or a list of names whose times are added (parts timed apart). A
-    round's pair ran back to back under the same load, so this ratio is steadier on a shared
-    machine than the ratio of two medians, whose rounds may have fallen in different load.
+    round's pair ran within the same round, seconds apart at most, so this ratio is steadier on
+    a shared machine than the ratio of two medians, whose rounds may have met different load.
     """
     parts = [den] if isinstance(den, str) else list(den)
     per_round = [a / sum(samples[d][i] for d in parts) for i, a in enumerate(samples[num])]

@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--suite", default=",".join(SUITES),
                    help=f"comma-separated suites to run; valid: {', '.join(SUITES)} (default: all)")
     p.add_argument("--out", default="bench/out", help="folder for tables and plots (default: bench/out)")
-    p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11)")
+    p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11; the two smallest "
+                   "MLP sizes run 5x as many, shorter ones)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: the MLP suite at its two smallest sizes, no models suite")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -1,12 +1,17 @@
 """Autograd-aware collectives: the f / g operators of Megatron-LM (Shoeybi et al. 2019, Sec. 3).
 
-Each operator is a small ``torch.autograd.Function`` whose backward is the conjugate collective
-of its forward, so a parallel layer's gradients come out right without hand-written backward
-passes. Every one takes the tensor-parallel group explicitly.
+Each operator's backward is the conjugate collective of its forward, so a parallel layer's
+gradients come out right without hand-written backward passes: a small
+``torch.autograd.Function`` for most, and for ``g`` (identity backward) a collective run with
+grad mode off on a tensor whose own backward is already the identity. With no gradient to carry
+(grad mode off, or an input that needs none) an operator runs its forward bare, without autograd.
+Every one takes the tensor-parallel group explicitly.
 
     operator                                   forward                      backward
     copy_to_tp_region            ("f")         identity                     all-reduce
-    reduce_from_tp_region        ("g")         all-reduce                   identity (a clone's)
+    reduce_from_tp_region        ("g")         all-reduce                   identity
+    linear_with_grad_allreduce   (f + linear)  X W^T + b                    all-reduce of dX,
+                                                                            overlapped with dW
     scatter_to_tp_region                       keep own slice (last dim)    all-gather (last dim)
     gather_from_tp_region                      all-gather (last dim)        keep own slice
     scatter_to_sequence_parallel_region        keep own slice (seq)         all-gather (seq)
@@ -119,9 +124,12 @@ class _LinearGradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group):
         _remember(ctx, group)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)  # x only for dW
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)  # (..., out/p)
+        # (..., in) @ (in, out/p): matmul, not F.linear, whose N-d output is a view (a view out
+        # of a custom Function refuses later in-place ops such as ReLU(inplace=True))
+        y = x.matmul(weight.t())
+        return y if bias is None else y.add_(bias)
 
     @staticmethod
     def backward(ctx, dy):

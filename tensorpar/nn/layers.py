@@ -237,7 +237,7 @@ class RowParallelLinear(nn.Module):
         else:
             # (..., out): y_partial is this layer's own matmul output, summed in place
             y = dist.reduce_from_tp_region(y_partial, group=self.tp_group, in_place=True)
-            bias = self.bias
+            return y if self.bias is None else y.add_(self.bias)  # still this layer's own tensor
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
