@@ -118,7 +118,9 @@ class _LinearGradAllReduce(torch.autograd.Function):
     ``F.linear(copy_to_tp_region(x), W, b)`` that all-reduce can only start once autograd has
     finished the whole linear node, dW included. Here dX is computed first, its all-reduce is
     issued asynchronously, and dW (the larger GEMM, ``(out/p, T) @ (T, in)``) runs while it is in
-    flight. Same bytes, same ledger record; less time whenever dW takes longer than nothing.
+    flight. Same bytes, same ledger record. The all-reduce hides behind dW where the two really
+    run at once (NCCL beside a GPU GEMM); on a CPU, gloo's thread competes with the GEMM for the
+    same cores, and it measured neutral (the README's benchmark notes).
     """
 
     @staticmethod
