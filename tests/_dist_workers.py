@@ -167,6 +167,34 @@ def ledger_worker(shape):
             "shapes": [tuple(g.shape), tuple(rs.shape), tuple(m.shape), tuple(outside.shape)]}
 
 
+def autograd_modes_worker():
+    """Forward-mode AD and torch.func transforms are refused by name, before any collective."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = torch.ones(2, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64)
+    w = torch.ones(4, 4, dtype=torch.float64)
+    ops = {"reduce": dist.reduce_from_tp_region, "copy": dist.copy_to_tp_region,
+           "gather": dist.gather_from_tp_region, "scatter": dist.scatter_to_tp_region,
+           "linear": lambda a: dist.linear_with_grad_allreduce(a, w, None)}
+    out = {}
+    for name, op in ops.items():
+        for mode in ("forward_ad", "jvp", "vmap"):
+            try:
+                if mode == "forward_ad":
+                    with fwAD.dual_level():
+                        op(fwAD.make_dual(x.clone(), t))
+                elif mode == "jvp":
+                    torch.func.jvp(op, (x,), (t,))
+                else:
+                    torch.func.vmap(op)(x)
+                out[(name, mode)] = "no error"
+            except NotImplementedError as e:
+                out[(name, mode)] = str(e)
+    with fwAD.dual_level():  # a plain tensor inside a dual level is still fine
+        out[("reduce", "plain in dual level")] = dist.reduce_from_tp_region(x.clone()).tolist()
+    return out
+
+
 def fused_ledger_worker(shape):
     """A column-parallel linear's overlapped backward all-reduce, as the ledger sees it."""
     from tensorpar.nn import ColumnParallelLinear

@@ -60,6 +60,17 @@ def test_overlapped_backward_all_reduce_is_recorded_once(world):
         assert inference_count == 0  # no column-parallel communication without a gradient
 
 
+def test_forward_mode_and_func_transforms_are_refused_not_silently_wrong():
+    # run bare, the collective would reach the primal values only: tangents and batches would be wrong
+    for out in dist.launch(W.autograd_modes_worker, 2, deadline=120):
+        plain = out.pop(("reduce", "plain in dual level"))
+        assert plain == [[2.0] * 4] * 2
+        assert len(out) == 15
+        for (name, mode), message in out.items():
+            assert "support reverse-mode autograd only" in message, (name, mode, message)
+            assert ("forward_ad" in message) == (mode == "forward_ad"), (name, mode, message)
+
+
 def test_ring_bytes_formulas_of_the_source_exercise():
     assert dist.ring_bytes_sent("all_reduce", 16_384, 4) == 24_576
     assert dist.ring_bytes_sent("all_gather", 16_384, 4) == 12_288

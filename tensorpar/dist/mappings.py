@@ -23,7 +23,9 @@ The module named in the ledger for a backward collective is the one running when
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from tensorpar.dist import collectives as C
 from tensorpar.dist.ledger import active_ledger, ledger_for_backward
@@ -157,7 +159,25 @@ def linear_with_grad_allreduce(x: torch.Tensor, weight: torch.Tensor, bias: torc
     if (C.group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad)
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(copy_to_tp_region(x, group), weight, bias)
+    _check_reverse_mode(x, "linear_with_grad_allreduce")
     return _LinearGradAllReduce.apply(x, weight, bias, group)
+
+
+def _check_reverse_mode(x: torch.Tensor, what: str) -> None:
+    """Refuse the autograd modes these operators do not carry, before any collective.
+
+    Forward-mode AD (``torch.autograd.forward_ad``) and ``torch.func`` transforms (jvp, vmap,
+    grad) would each need the collective applied to tangents or batches too; run bare, the
+    collective would reach the primal values only and the result would be silently wrong.
+    """
+    if is_functorch_wrapped_tensor(x):
+        got = "a torch.func-transformed tensor (jvp, vmap, grad)"
+    elif forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
+        got = "a dual tensor (torch.autograd.forward_ad)"
+    else:
+        return
+    raise NotImplementedError(f"{what}: tensorpar's tensor-parallel operators support reverse-mode "
+                              f"autograd only (loss.backward(), torch.autograd.grad); got {got}")
 
 
 def _apply(op, x: torch.Tensor, group, *args) -> torch.Tensor:
@@ -170,6 +190,7 @@ def _apply(op, x: torch.Tensor, group, *args) -> torch.Tensor:
     """
     if C.group_size(group) == 1:
         return x
+    _check_reverse_mode(x, op.__name__)
     if torch.is_grad_enabled() and x.requires_grad:
         return op.apply(x, group, *args)
     return op.run(x, group, *args)
@@ -195,6 +216,7 @@ def reduce_from_tp_region(x: torch.Tensor, group=None, *, in_place: bool = False
     """
     if C.group_size(group) == 1:
         return x
+    _check_reverse_mode(x, "reduce_from_tp_region")
     y = x if in_place else _fresh(x)  # (..., h) partial sums; a clone's backward is the identity
     with torch.no_grad():
         C.all_reduce(y, group)  # -> full sum, in place
