@@ -179,17 +179,20 @@ def autograd_modes_worker():
     out = {}
     for name, op in ops.items():
         for mode in ("forward_ad", "jvp", "vmap"):
-            try:
-                if mode == "forward_ad":
-                    with fwAD.dual_level():
-                        op(fwAD.make_dual(x.clone(), t))
-                elif mode == "jvp":
-                    torch.func.jvp(op, (x,), (t,))
-                else:
-                    torch.func.vmap(op)(x)
-                out[(name, mode)] = "no error"
-            except NotImplementedError as e:
-                out[(name, mode)] = str(e)
+            with dist.ledger() as led:
+                try:
+                    if mode == "forward_ad":
+                        with fwAD.dual_level():
+                            op(fwAD.make_dual(x.clone(), t))
+                    elif mode == "jvp":
+                        torch.func.jvp(op, (x,), (t,))
+                    else:
+                        torch.func.vmap(op)(x)
+                    out[(name, mode)] = "no error"
+                except NotImplementedError as e:
+                    out[(name, mode)] = str(e)
+            if led.records:  # refused before any collective, or not at all
+                out[(name, mode)] += f" after {len(led.records)} collective(s)"
     with fwAD.dual_level():  # a plain tensor inside a dual level is still fine
         out[("reduce", "plain in dual level")] = dist.reduce_from_tp_region(x.clone()).tolist()
     return out

@@ -10,8 +10,10 @@ ratio is the median over rounds of the two variants' times in the same round:
 - ``floor``: the slowest rank's local work (its two shard matmuls, the biases and GELU, forward
   or forward+backward, on plain tensors) and one raw all-reduce of the output (plus one of dX
   with backward), in sequence: the same step hand-written with no framework at all.
-- ``floor_parts``: the same two parts, each timed alone with the ranks in step before it; below
-  ``floor`` by what the ranks lose waiting for each other inside a step (reported, not a target).
+- ``floor_parts``: the same two parts, each timed alone with the ranks in step before it
+  (reported, not a target). It leaves out the ranks' waiting for each other inside a step, but
+  the all-reduce timed alone carries its own latency noise, so it lands on either side of
+  ``floor``. Its median is the sum of the two parts' medians; its ratio pairs per-round sums.
 """
 from __future__ import annotations
 
@@ -52,10 +54,11 @@ def _sampling(tokens: int, hidden: int, repeats: int) -> tuple[int, int]:
     """``(calls per timed sample, rounds)`` for one size.
 
     A sample lasts well above the timer's and the barrier's jitter: up to 40 calls, ~2 GFLOP.
-    Sizes that need 8 or more calls for that (16 x 128 and 128 x 256, whose time is mostly
-    collective latency) run five times ``repeats`` rounds: on this shared machine the latency of
-    one 8 kB gloo all-reduce drifts between ~0.3 and ~1.7 ms from second to second, and many
-    short rounds pair each variant with its baseline more closely in time than a few long ones.
+    Sizes that need 8 or more calls for that (16 x 128: 40 calls; 128 x 256: 14), where a step
+    is a few ms at most and much of it collective latency, run five times ``repeats`` rounds: on
+    this shared machine one 8 kB gloo all-reduce took anywhere from ~0.2 to ~2.6 ms (measured),
+    and many short rounds pair each variant with its baseline more closely in time than a few
+    long ones.
     """
     flops = 2 * 2 * tokens * hidden * 4 * hidden
     calls = max(1, min(40, int(2e9 // max(flops, 1))))

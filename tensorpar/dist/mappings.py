@@ -167,17 +167,18 @@ def _check_reverse_mode(x: torch.Tensor, what: str) -> None:
     """Refuse the autograd modes these operators do not carry, before any collective.
 
     Forward-mode AD (``torch.autograd.forward_ad``) and ``torch.func`` transforms (jvp, vmap,
-    grad) would each need the collective applied to tangents or batches too; run bare, the
-    collective would reach the primal values only and the result would be silently wrong.
+    grad and vjp included) would each need the collective applied to tangents, batches or
+    wrapped tensors too; run bare, the collective would reach the primal values only and the
+    result would be silently wrong.
     """
     if is_functorch_wrapped_tensor(x):
-        got = "a torch.func-transformed tensor (jvp, vmap, grad)"
+        got = "a tensor under a torch.func transform (jvp, vmap, grad, vjp, functionalize)"
     elif forward_ad._current_level >= 0 and forward_ad.unpack_dual(x).tangent is not None:
         got = "a dual tensor (torch.autograd.forward_ad)"
     else:
         return
-    raise NotImplementedError(f"{what}: tensorpar's tensor-parallel operators support reverse-mode "
-                              f"autograd only (loss.backward(), torch.autograd.grad); got {got}")
+    raise NotImplementedError(f"{what}: tensorpar's tensor-parallel operators support torch.autograd's "
+                              f"reverse mode only (loss.backward(), torch.autograd.grad); got {got}")
 
 
 def _apply(op, x: torch.Tensor, group, *args) -> torch.Tensor:
