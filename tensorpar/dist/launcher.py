@@ -210,6 +210,10 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results) -> 
             torch.cuda.set_device(rank)
         tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                                  timeout=datetime.timedelta(seconds=timeout))
+        # Every rank finishes gloo's connection handshake before any may return and exit: a rank
+        # that left early (an fn with no collective) reset a peer still mid-handshake, which then
+        # failed with "Connection closed by peer" (2 launches in 40 under load, measured).
+        tdist.barrier()
         value = fn(*args)
         buf = io.BytesIO()
         torch.save(_to_cpu(value), buf)
