@@ -198,6 +198,34 @@ def autograd_modes_worker():
     return out
 
 
+def flaky_init_rank(rank, world_size, store, results):
+    """_init_group when rank 1's first attempt fails after the mesh formed (as gloo's flake does)."""
+    import datetime
+    import warnings
+
+    import torch.distributed as tdist
+
+    from tensorpar.dist import launcher
+
+    real, calls = tdist.init_process_group, []
+
+    def flaky(*args, **kwargs):
+        real(*args, **kwargs)
+        calls.append(kwargs["store"])
+        if rank == 1 and len(calls) == 1:
+            tdist.destroy_process_group()
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (simulated)")
+
+    tdist.init_process_group = flaky
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        launcher._init_group("gloo", store, rank, world_size, datetime.timedelta(seconds=30))
+    x = torch.ones(3) * (rank + 1)
+    tdist.all_reduce(x)
+    results.put((rank, len(calls), x.tolist(), [str(w.message) for w in caught]))
+    tdist.destroy_process_group()
+
+
 def fused_ledger_worker(shape):
     """A column-parallel linear's overlapped backward all-reduce, as the ledger sees it."""
     from tensorpar.nn import ColumnParallelLinear

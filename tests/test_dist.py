@@ -71,6 +71,27 @@ def test_forward_mode_and_func_transforms_are_refused_not_silently_wrong():
             assert ("forward_ad" in message) == (mode == "forward_ad"), (name, mode, message)
 
 
+def test_a_flaky_gloo_mesh_is_formed_again_by_every_rank(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=W.flaky_init_rank, args=(r, 2, str(tmp_path / "store"), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=90) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    # both ranks joined twice (rank 0 had succeeded, but left with everyone), then summed 1 + 2
+    assert [(r, calls, x) for r, calls, x, _ in got] == [(0, 2, [3.0] * 3), (1, 2, [3.0] * 3)]
+    assert any("every rank retries (attempt 2 of 3)" in w for w in got[1][3]) and not got[0][3]
+
+
 def test_ring_bytes_formulas_of_the_source_exercise():
     assert dist.ring_bytes_sent("all_reduce", 16_384, 4) == 24_576
     assert dist.ring_bytes_sent("all_gather", 16_384, 4) == 12_288

@@ -25,6 +25,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as tdist
@@ -208,12 +209,7 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results) -> 
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        tdist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                                 timeout=datetime.timedelta(seconds=timeout))
-        # Every rank finishes gloo's connection handshake before any may return and exit: a rank
-        # that left early (an fn with no collective) reset a peer still mid-handshake, which then
-        # failed with "Connection closed by peer" (2 launches in 40 under load, measured).
-        tdist.barrier()
+        _init_group(backend, store, rank, world_size, datetime.timedelta(seconds=timeout))
         value = fn(*args)
         buf = io.BytesIO()
         torch.save(_to_cpu(value), buf)
@@ -224,6 +220,41 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results) -> 
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
+
+
+_INIT_ATTEMPTS = 3
+
+
+def _init_group(backend, store_path, rank, world_size, timeout) -> None:
+    """Join the process group over the file store; retry gloo's connection mesh if it flakes.
+
+    Under load, gloo's TCP mesh setup on loopback sometimes fails with "Connection closed by
+    peer" in ``connectFullMesh`` (about 1 launch in 20 on this 2-core machine, measured; also a
+    known flake in PyTorch's own gloo tests). The ranks then agree through the store, which does
+    not depend on that mesh: each posts whether its attempt succeeded, and unless all did,
+    every rank leaves the group and all try again under a fresh key prefix. A last barrier
+    keeps any rank from returning while a peer is still connecting.
+    """
+    base = tdist.FileStore(store_path, world_size)
+    base.set_timeout(timeout)
+    for attempt in range(_INIT_ATTEMPTS):
+        error = None
+        try:
+            tdist.init_process_group(backend, store=tdist.PrefixStore(f"attempt{attempt}/", base),
+                                     rank=rank, world_size=world_size, timeout=timeout)
+        except RuntimeError as exc:
+            if "connectFullMesh" not in str(exc) or attempt == _INIT_ATTEMPTS - 1:
+                raise
+            error = exc
+            warnings.warn(f"rank {rank}: gloo's connection setup failed ({str(exc).splitlines()[0][:200]}); "
+                          f"every rank retries (attempt {attempt + 2} of {_INIT_ATTEMPTS})", RuntimeWarning)
+        base.set(f"status{attempt}/{rank}", "ok" if error is None else "retry")
+        if all(base.get(f"status{attempt}/{r}") == b"ok" for r in range(world_size)):
+            tdist.barrier()
+            return
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+    raise RuntimeError(f"the process group could not be formed in {_INIT_ATTEMPTS} attempts")
 
 
 def _to_cpu(value):
