@@ -76,11 +76,13 @@ def mappings_worker(shapes):
 def _bare_forward_checks(xs, r, p):
     """With no gradient to carry, the operators run without autograd: same values, inputs intact."""
     checks = []
-    for mode, make in (("no_grad", lambda t: t.clone()), ("no_requires_grad", lambda t: t.clone())):
+    for mode, make in (("no_grad", lambda t: t.clone().requires_grad_(True)),
+                       ("no_requires_grad", lambda t: t.clone())):
         with torch.set_grad_enabled(mode != "no_grad"):
             x = make(xs[r])
             y = dist.reduce_from_tp_region(x)
-            checks.append((f"{mode}_reduce", _close(y, sum(xs)) and torch.equal(x, xs[r])))
+            checks.append((f"{mode}_reduce", _close(y, sum(xs)) and torch.equal(x, xs[r])
+                           and y.grad_fn is None))
             checks.append((f"{mode}_copy", dist.copy_to_tp_region(x) is x))
             y = dist.gather_from_tp_region(x.chunk(p, dim=-1)[0].contiguous())
             checks.append((f"{mode}_gather", torch.equal(y, torch.cat([t.chunk(p, -1)[0] for t in xs], -1))

@@ -15,6 +15,8 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     samples = {"a": [2.0, 4.0, 20.0], "b": [1.0, 2.0, 10.0], "c": [0.5, 1.0, 0.1]}
     assert paired_ratio(samples, "a", "b") == 2.0
     assert paired_ratio(samples, "a", ["b", "c"]) == pytest.approx(4.0 / 3.0)  # parts added per round
+    # here the two differ: per-round ratios [2, 0.2, 2] -> 2; a quotient of medians would give 0.2
+    assert paired_ratio({"a": [1.0, 2.0, 30.0], "b": [0.5, 10.0, 15.0]}, "a", "b") == 2.0
 
 
 def test_interleaved_rotates_the_order_each_round():

@@ -96,6 +96,7 @@ def test_run_default_minilm_json(tp):
     assert all(b > 0 for b in led["measured_bytes_per_rank"])
     assert {c["op"] for c in led["collectives"]} == {"all_reduce"}
     assert len(led["collectives"]) == 1 + 2 * 6  # embedding + (attention, MLP) per layer
+    assert set(led["per_layer"]) == {"embeddings.word_embeddings", *(f"encoder.layer.{i}" for i in range(6))}
     _per_module_agrees(led)
     ranking = out["result"]["ranking"]
     assert {ranking[0]["a"], ranking[0]["b"]} == {"A man is playing a guitar.", "Someone is strumming a guitar on stage."}

@@ -62,7 +62,9 @@ def test_each_rank_reads_exactly_its_slices(results, family, tp):
     never read): ``ceil(V/tp)`` rows per rank, of which rank r owns ``min((r+1)*per, V) - r*per``."""
     per = -(-W.VOCAB // tp)
     vocab_matrices = {"llama": 2, "gpt2": 1}[family]  # gpt2's head is tied to its embedding
-    for run in results[("ckpt", family, tp)]:
+    runs = results[("ckpt", family, tp)]
+    assert sorted(run["tp_rank"] for run in runs) == sorted(list(range(tp)) * (4 // tp))  # every rank of every group
+    for run in runs:
         r = run["tp_rank"]
         padding = (per - (min((r + 1) * per, W.VOCAB) - r * per)) * 48 * vocab_matrices
         assert run["get_tensor_calls"] == 0

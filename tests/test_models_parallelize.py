@@ -114,7 +114,9 @@ def test_per_rank_parameters_match_the_closed_form_from_the_config(results, fami
     """Independent of the tp_replicas tags: counts from the config sizes, and every 2-D weight
     split but the ones listed in WHOLE_2D."""
     config = make_tiny_config(family)
-    for rank, res in _members(results, (family, tp)):
+    cases = _members(results, (family, tp))
+    assert cases, (family, tp)
+    for rank, res in cases:
         assert res["counted"] == expected_params_per_rank(config, family, tp), (rank, res["counted"])
         if tp > 1:
             assert res["whole_2d"] == sorted(WHOLE_2D[family]), (rank, res["whole_2d"])

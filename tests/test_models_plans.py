@@ -249,10 +249,10 @@ def test_generate_and_clip_bad_input():
 
 
 def test_a_split_style_on_a_non_linear_module_names_the_type_first():
-    from tensorpar.apply import parallelize
-    from tensorpar.models.testing import make_tiny_model
-
     model = make_tiny_model("llama")
-    with pytest.raises(ValueError, match=r"plan style 'colwise' needs a Linear .* 'model.norm' is LlamaRMSNorm"):
-        parallelize(model, plan={"model.norm": "colwise"})
+    _fails_unchanged(model, r"plan style 'colwise' needs a Linear .* 'model.norm' is LlamaRMSNorm",
+                     plan={"model.norm": "colwise"})
     assert not hasattr(model, "tp_report")
+    # the builders' own rule: a GPT-2 Conv1D takes the conv1d_ styles, not 'colwise'
+    _fails_unchanged(make_tiny_model("gpt2"), r"plan style 'colwise' needs a Linear .* is Conv1D",
+                     plan={"transformer.h.0.mlp.c_fc": "colwise"})

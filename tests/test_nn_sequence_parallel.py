@@ -157,7 +157,7 @@ def test_sequence_parallel_moves_the_same_bytes_per_block(results, variant):
             per_block, bias_bytes = {}, 2 * (p - 1) / p * HIDDEN * 8
             for sp in (False, True):
                 records = res[p]["sp"][variant][sp][1]
-                bias = _bias_reductions(records) if sp else []
+                bias = _bias_reductions(records)
                 expected = ([("attn.o_proj", bias_bytes), ("mlp.down_proj", bias_bytes)]
                             if sp and variant == "bias" else [])
                 assert bias == expected, (p, sp, bias)

@@ -142,7 +142,8 @@ def test_a_tie_on_the_bound_says_the_estimate_decides():
     res = search(get_model("llama-2-13b"), get_hardware("a100-80gb"), devices=16, workload="inference",
                  micro_batch=4)
     best, runner = res.candidates[0], res.candidates[1]
-    assert best["bound_s"] == pytest.approx(runner["bound_s"], rel=1e-9) and best["estimate_s"] < runner["estimate_s"]
+    # a tie: the two layouts' bounds differ by rounding at most (float64 sums of the same terms)
+    assert best["bound_s"] == pytest.approx(runner["bound_s"], rel=1e-12) and best["estimate_s"] < runner["estimate_s"]
     assert "so the estimate decides" in res.explanation[0] and "lowest" not in res.explanation[0]
     untied = search(get_model("llama-2-70b"), H100, devices=16, workload="inference", micro_batch=8)
     assert untied.explanation[0].startswith("Choose tp=16, pp=1, dp=1: lowest decode latency per token")

@@ -154,12 +154,13 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
             "floor_comm": comm,
         }
         samples = interleaved({k: _repeat(f, n) for k, f in variants.items()}, rounds)
-        med = {k: v / n for k, v in medians(samples).items()}
+        samples = {k: [t / n for t in v] for k, v in samples.items()}  # seconds per call
+        med = medians(samples)
         med["floor_parts"] = med.pop("floor_compute") + med.pop("floor_comm")
         rows.append({"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
                      "pass": "fwd+bwd" if backward else "fwd", "tp": dist.get_world_size(),
                      "rounds": rounds, "calls_per_sample": n, "max_abs_diff": max_diff,
-                     "median_s": med, "samples_s": {k: [t / n for t in v] for k, v in samples.items()},
+                     "median_s": med, "samples_s": samples,
                      **{f"tensorpar_vs_{d}": paired_ratio(samples, "tensorpar", d)
                         for d in ("torch_tp", "floor", "dense_2t")},
                      "tensorpar_vs_floor_parts": paired_ratio(samples, "tensorpar",

@@ -153,7 +153,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
-        print_result(result, sys.stdout)
+        print_result(result)
     return 0
 
 
@@ -199,10 +199,10 @@ _PARTS = (("weights", "blue", "W"), ("gradients", "magenta", "G"), ("optimizer",
           ("activations", "green", "A"), ("kv_cache", "cyan", "K"))
 
 
-def print_result(result, file) -> None:
-    from rich.console import Console
+def print_result(result) -> None:
+    from tensorpar.cli.progress import console as make_console
 
-    console = Console(file=file, width=None if file.isatty() else 120, highlight=False)
+    console = make_console(highlight=False)
     if isinstance(result, P.SearchResult):
         _render_search(console, result)
     else:

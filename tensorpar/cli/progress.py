@@ -6,12 +6,12 @@ import contextlib
 import sys
 
 
-def console():
+def console(**kw):
     """A rich console on stdout; 120 columns when stdout is not a terminal (``make run``, a pipe),
-    where rich would otherwise wrap every table at 80."""
+    where rich would otherwise wrap every table at 80. ``kw``: more ``Console`` options."""
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 120)
+    return Console(width=None if sys.stdout.isatty() else 120, **kw)
 
 
 @contextlib.contextmanager

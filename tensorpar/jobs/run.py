@@ -137,15 +137,15 @@ def run_worker(spec: dict) -> dict:
         split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
-           "bytes_sent": led.total_bytes_sent(), "split": split, "planner_names": _planner_names(model)}
+           "bytes_sent": led.total_bytes_sent(), "split": split, "planner_names": _planner_names(model, led.names)}
     if dist.get_rank() == 0:
         out["dense"] = task(dense_model(spec["path"], dtype), spec)
     return out
 
 
-def _planner_names(model) -> dict:
-    """The planner's names for the embedding and the output head -> this model's module names."""
-    names = {id(m): n for n, m in model.named_modules()}
+def _planner_names(model, names: dict) -> dict:
+    """The planner's names for the embedding and the output head -> this model's module names
+    (``names``: the ledger's own map, ``id(module) -> qualified name``)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {"embedding": names.get(id(model.get_input_embeddings())),
             "lm_head": names.get(id(head)) if head is not None else None}

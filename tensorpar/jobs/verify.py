@@ -198,13 +198,13 @@ def _rows(split, dense, s_acts, d_acts) -> list[list[float]]:
     for module, (sa, sg), (da, dg) in zip(_checked(split), s_acts, d_acts):
         params = list(module.parameters())
         seen.update(id(p) for p in params)
-        rows.append([_rel(sa, da), _rel(sg, dg), _param_grads_rel(params, split, dense_params)])
+        rows.append([_rel(sa, da), _rel(sg, dg), _param_grads_rel(params, dense_params)])
     rest = [p for p in split.parameters() if id(p) not in seen]
-    rows.append([0.0, 0.0, _param_grads_rel(rest, split, dense_params)])
+    rows.append([0.0, 0.0, _param_grads_rel(rest, dense_params)])
     return rows
 
 
-def _param_grads_rel(params, split, dense_params) -> float:
+def _param_grads_rel(params, dense_params) -> float:
     """Worst ``max |g_shard - shard(g_dense)| / max |g_dense|`` over ``params`` (this rank's shards).
 
     Each shard is compared element by element with the same slice of the dense gradient (the
@@ -213,28 +213,23 @@ def _param_grads_rel(params, split, dense_params) -> float:
     block's (e.g. a key bias, whose gradient is zero without rotary) is measured against 1e-3 of
     the block's largest gradient instead of its own ~0.
     """
-    pairs = [(p, _dense_grad_shard(p, split, dense_params)) for p in params if p.grad is not None]
+    pairs = [(p, _dense_grad_shard(p, dense_params)) for p in params if p.grad is not None]
     if not pairs:
         return 0.0
-    block_scale = max(ref.abs().max().item() for _, ref in pairs) or 1.0
+    peaks = [ref.abs().max().item() for _, ref in pairs]
+    block_scale = max(peaks) or 1.0
     worst = 0.0
-    for p, ref in pairs:
-        scale = max(ref.abs().max().item(), 1e-3 * block_scale)
+    for (p, ref), peak in zip(pairs, peaks):
+        scale = max(peak, 1e-3 * block_scale)
         worst = max(worst, (p.grad.double() - ref.double()).abs().max().item() / scale)
     return worst
 
 
-def _dense_grad_shard(p, split, dense_params) -> torch.Tensor:
-    spec = getattr(p, "tp_spec", None)
-    name = spec.key if spec is not None else _name_of(p, split)
-    g = dense_params[name].grad
-    if g is None:
-        return torch.zeros_like(p)
-    return spec.take(lambda idx: g[idx]) if spec is not None else g
-
-
-def _name_of(p, model) -> str:
-    return next(n for n, q in model.named_parameters() if q is p)
+def _dense_grad_shard(p, dense_params) -> torch.Tensor:
+    """The slice of the dense gradient this shard was cut from: ``load_sharded`` gives every
+    parameter its ``tp_spec`` (``ShardSpec(name)`` for a replicated one)."""
+    g = dense_params[p.tp_spec.key].grad
+    return torch.zeros_like(p) if g is None else p.tp_spec.apply(g)
 
 
 def _rel(a, b) -> float:

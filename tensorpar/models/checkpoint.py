@@ -96,10 +96,7 @@ def _check_dir(path: Path) -> dict:
 
 def _read_index(index: Path) -> dict:
     """The ``weight_map`` (tensor name -> file name) of a sharded checkpoint's index."""
-    try:
-        data = json.loads(index.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{index} is not valid JSON: {exc}") from None
+    data = _read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(f, str) for f in weight_map.values()):
@@ -109,11 +106,15 @@ def _read_index(index: Path) -> dict:
     return weight_map
 
 
-def _read_config(path: Path):
+def _read_json(path: Path):
     try:
-        kind = json.loads((path / "config.json").read_text()).get("model_type")
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {exc}") from None
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _read_config(path: Path):
+    kind = _read_json(path / "config.json").get("model_type")
     if kind not in FAMILIES:
         raise ValueError(f"checkpoint {str(path)!r}: model_type {kind!r} is not supported; valid: "
                          f"{', '.join(FAMILIES)}")

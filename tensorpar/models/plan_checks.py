@@ -21,9 +21,8 @@ numerically.
 """
 from __future__ import annotations
 
-from torch import nn
-
 from tensorpar.models.plans import FAMILY_PLANS, REGION_STYLES, compile_plan, join_name, match_style
+from tensorpar.models.styles import splits_module
 
 COLUMN = ("colwise", "conv1d_colwise", "colwise_kv", "conv1d_qkv")
 ROW = ("rowwise", "conv1d_rowwise")
@@ -91,7 +90,8 @@ def _check_partners(assigned, covered) -> None:
 
 
 def _is_linear(module) -> bool:
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    """A Linear or a GPT-2 Conv1D: a module some split style builds from."""
+    return splits_module("colwise", module) or splits_module("conv1d_colwise", module)
 
 
 def _check_regions(model, assigned, covered) -> None:
@@ -111,8 +111,9 @@ def _check_kinds(model, assigned) -> None:
     """A column or row split applies to linear layers only: say so before any pairing advice."""
     for name, style in assigned.items():
         module = model.get_submodule(name)
-        if style in COLUMN + ROW and not _is_linear(module):
-            raise ValueError(f"plan style {style!r} needs a Linear (or GPT-2 Conv1D) but module {name!r} is "
+        if style in COLUMN + ROW and not splits_module(style, module):
+            kind = "a GPT-2 Conv1D" if style.startswith("conv1d_") else "a Linear"
+            raise ValueError(f"plan style {style!r} needs {kind} but module {name!r} is "
                              f"{type(module).__name__}; use 'replicate' or a matching style")
 
 

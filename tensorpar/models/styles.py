@@ -129,6 +129,12 @@ def _is_conv1d(module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
+def splits_module(style: str, module) -> bool:
+    """Whether ``module`` is the kind of module split style ``style`` builds from (the builders'
+    own check, for the plan checks to make before anything is built)."""
+    return _is_conv1d(module) if style.startswith("conv1d_") else isinstance(module, nn.Linear)
+
+
 def _check_conv(module, style, name):
     if not _is_conv1d(module):
         raise ValueError(f"plan style {style!r} needs a transformers Conv1D but module {name!r} "

@@ -56,6 +56,6 @@ def check_ids(ids: torch.Tensor, num_embeddings: int) -> None:
         raise ValueError(f"token ids must be an integer tensor; got dtype {ids.dtype}")
     if not ids.numel():
         return
-    lo, hi = (int(v) for v in torch.aminmax(ids))  # one pass over the ids per forward
+    lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one pass over the ids, one device sync
     if lo < 0 or hi >= num_embeddings:
         raise ValueError(f"token ids must lie in [0, {num_embeddings}); got min {lo}, max {hi}")

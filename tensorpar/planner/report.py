@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import flops as F
 from . import memory as M
-from .collectives import link_transfer_time
+from .collectives import link_transfer_time, pp_p2p_bytes
 from .comm import CommItem, bytes_sent, dp_collectives, item, pp_collectives, scale, tp_collectives
 from .feasibility import divisibility, memory_reasons, placement_warnings, valid_tp_sizes
 from .hardware import Hardware
@@ -211,9 +211,10 @@ def _decode_items(c: _Ctx) -> list[CommItem]:
     m, lay = c.model, c.layout
     one = replace(lay, pp=1, sequence_parallel=False, workload="inference")
     items = tp_collectives(m, one, seq=1, phase="inference")["per_micro_batch"]
-    if lay.pp > 1:
-        n = lay.micro_batch * m.hidden * lay.bytes_per_elem
-        items.append(CommItem("send", "pipeline.activation", "forward", "pp", 2, n, n / lay.tp, lay.pp - 1))
+    if lay.pp > 1:  # one token per sequence crosses each stage boundary
+        n = pp_p2p_bytes(lay.micro_batch, 1, m.hidden, lay.bytes_per_elem)
+        shard = pp_p2p_bytes(lay.micro_batch, 1, m.hidden, lay.bytes_per_elem, tp=lay.tp, scatter_gather=True)
+        items.append(CommItem("send", "pipeline.activation", "forward", "pp", 2, n, shard, lay.pp - 1))
     return items
 
 
@@ -248,7 +249,7 @@ def _prefill_bound(report: PlanReport, c: _Ctx) -> float:
     """A prompt of ``seq`` tokens per sequence, micro_batch sequences: chunks may be pipelined
     across stages, so FLOPs are shared by all tp x pp devices; each device reads its weights once."""
     m, lay = c.model, c.layout
-    compute = compute_time_lower_bound(F.prefill_flops(m, lay.micro_batch, m.seq), lay.tp * lay.pp, c.peak)
+    compute = compute_time_lower_bound(report.inference_flops["prefill_micro_batch"], lay.tp * lay.pp, c.peak)
     hbm = memory_time_lower_bound(report.params_per_device * lay.bytes_per_elem, c.hw.hbm_bytes_per_s)
     one = replace(lay, workload="inference", global_batch=None, dp=1)
     stage = "all" if lay.pp == 1 else "first"
