@@ -15,7 +15,7 @@ _LAZY = {
     "mlp_tensor_parallel": "tensorpar.reference",
     "shard_bytes": "tensorpar.reference",
     "ring_allreduce_bytes": "tensorpar.reference",
-    "parallelize": "tensorpar.apply",
+    "parallelize": "tensorpar.sharding.apply",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -1,26 +1,24 @@
-"""tensorpar.models: tensor-parallel plans of model families, and running sharded models.
+"""tensorpar.models: running sharded Hugging Face models (checkpoints, generation, training).
 
-The only package that knows module names. Names load on first use (this package imports
-neither transformers nor safetensors until asked):
+Plans and their application live in :mod:`tensorpar.sharding` (``tensorpar.parallelize``);
+this package runs what they produce. Names load on first use (this package imports neither
+transformers nor safetensors until asked):
 
-- plans and feasibility: ``FAMILY_PLANS``, ``model_family``, ``model_dims``, ``check_feasibility``
 - checkpoints: ``load_sharded`` (each rank reads only its slices of a safetensors checkpoint)
 - inference: ``generate`` (greedy, per-rank KV cache)
 - training: ``train_step``, ``causal_lm_loss``, ``clip_grad_norm_``
-- test models: ``make_tiny_config``, ``make_tiny_model``, ``make_tiny_checkpoint``
+- test models: ``make_tiny_config``, ``make_tiny_model``, ``make_tiny_checkpoint`` (any architecture)
 - all-MiniLM-L6-v2: ``minilm_path``, ``load_minilm``, ``sentence_embeddings``
-
-``tensorpar.parallelize`` (in ``tensorpar.apply``) applies a plan.
+- re-exported from :mod:`tensorpar.sharding`: ``ARCHS``, ``model_dims``, ``check_feasibility``,
+  ``FeasibilityReport``, ``ParallelizeReport``
 """
 import importlib
 
 _LAZY = {
-    "FAMILY_PLANS": "tensorpar.models.plans", "FAMILIES": "tensorpar.models.plans",
-    "STYLES": "tensorpar.models.plans", "model_family": "tensorpar.models.plans",
-    "model_dims": "tensorpar.models.plans",
-    "check_feasibility": "tensorpar.models.feasibility",
-    "FeasibilityReport": "tensorpar.models.feasibility",
-    "ParallelizeReport": "tensorpar.models.report",
+    "ARCHS": "tensorpar.sharding.registry", "model_dims": "tensorpar.sharding.resolve",
+    "check_feasibility": "tensorpar.sharding.feasibility",
+    "FeasibilityReport": "tensorpar.sharding.feasibility",
+    "ParallelizeReport": "tensorpar.sharding.report",
     "load_sharded": "tensorpar.models.checkpoint", "LoadReport": "tensorpar.models.checkpoint",
     "generate": "tensorpar.models.generation",
     "train_step": "tensorpar.models.training", "causal_lm_loss": "tensorpar.models.training",

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tensorpar.models.plans import FAMILIES
-from tensorpar.models.styles import ShardSpec
+from tensorpar.sharding.registry import FAMILIES
+from tensorpar.sharding.spec import ShardSpec
 
 
 @dataclass
@@ -51,7 +51,7 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     ``dtype``: of the loaded parameters (default: ``config.dtype``, else float32).
     ``model_class``: a transformers class (default: ``config.architectures[0]``).
     """
-    from tensorpar.apply import parallelize
+    from tensorpar.sharding.apply import parallelize
 
     path = Path(path)
     files, config = _check_dir(path), _read_config(path)

@@ -111,12 +111,23 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group=None, gather_output: bool = False,
                    sequence_parallel: bool = False, skip_input_comm: bool = False,
-                   pad_out_features: bool = False) -> "ColumnParallelLinear":
-        """This rank's shard of ``linear``: weight rows (output features) of this rank."""
+                   pad_out_features: bool = False, rows: tuple | None = None) -> "ColumnParallelLinear":
+        """This rank's shard of ``linear``: weight rows (output features) of this rank.
+
+        ``rows``: this rank's output features as ``((start, end), ...)`` pieces of a fused
+        projection (``tensorpar.sharding.spec.segment_pieces``: its block of every segment),
+        instead of one contiguous block; the output is then this rank's pieces side by side
+        (no ``gather_output``: a gather would interleave the segments)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(linear.in_features, linear.out_features, tp_group, gather_output,
                         sequence_parallel, skip_input_comm, pad_out_features)
+        if rows is not None:
+            if gather_output or pad_out_features:
+                raise ValueError("ColumnParallelLinear.from_dense(rows=...) shards a fused projection; "
+                                 "it takes neither gather_output nor pad_out_features")
+            self.rows = tuple(rows)
+            self.out_features_per_partition = sum(end - start for start, end in self.rows)
         self._load(linear.weight, linear.bias, _grads(linear))
         return self
 
@@ -132,14 +143,20 @@ class ColumnParallelLinear(nn.Module):
         start, end, self.out_features_per_partition = padded_range(
             out_features, self.tp_rank, self.tp_size)
         self.output_start_index, self.output_end_index = start, end
+        self.rows = None  # contiguous [start, end); a fused projection's pieces otherwise
 
     def _load(self, weight, bias, requires_grad):
-        start, end = self.output_start_index, self.output_end_index
-        per = self.out_features_per_partition
+        if self.rows is not None:
+            def take(t):
+                return torch.cat([t[a:b] for a, b in self.rows])  # (sum of pieces, ...)
+        else:
+            start, end = self.output_start_index, self.output_end_index
+
+            def take(t):
+                return _rows(t, start, end, self.out_features_per_partition)
         with torch.no_grad():
-            self.weight = _param(_rows(weight, start, end, per), requires_grad[0])  # (out/p, in)
-            self.bias = _param(None if bias is None else _rows(bias, start, end, per),
-                               requires_grad[1])                                       # (out/p,)
+            self.weight = _param(take(weight), requires_grad[0])                        # (out/p, in)
+            self.bias = _param(None if bias is None else take(bias), requires_grad[1])  # (out/p,)
 
     def _enter(self, x: torch.Tensor) -> torch.Tensor:
         if self.skip_input_comm:
@@ -191,21 +208,29 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group=None, input_is_parallel: bool = True,
-                   sequence_parallel: bool = False) -> "RowParallelLinear":
-        """This rank's shard of ``linear``: weight columns (input features) of this rank."""
+                   sequence_parallel: bool = False, reduce_output: bool = True) -> "RowParallelLinear":
+        """This rank's shard of ``linear``: weight columns (input features) of this rank.
+
+        ``reduce_output=False``: return the partial sum, for an enclosing block that adds several
+        partial sums and reduces them once (a mixture-of-experts layer's shared experts next to
+        its routed experts); the bias is then added on rank 0 only, and its gradient
+        all-reduced so that every rank's copy steps alike."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._configure(linear.in_features, linear.out_features, tp_group, input_is_parallel,
-                        sequence_parallel)
+                        sequence_parallel, reduce_output)
         self._load(linear.weight, linear.bias, _grads(linear))
         return self
 
     def _configure(self, in_features, out_features, tp_group, input_is_parallel,
-                   sequence_parallel):
+                   sequence_parallel, reduce_output=True):
         self.tp_size, self.tp_rank = tp_info(tp_group)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True (the input of "
                              "a sequence-parallel row linear is the column linear's shard)")
+        if sequence_parallel and not reduce_output:
+            raise ValueError("sequence_parallel=True reduce-scatters the output; it needs reduce_output=True")
+        self.reduce_output = reduce_output
         self.in_features, self.out_features = in_features, out_features
         self.tp_group = tp_group
         self.in_features_per_partition = divide(in_features, self.tp_size, "in_features")
@@ -228,6 +253,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = dist.scatter_to_tp_region(x, group=self.tp_group)  # (..., in/p)
         y_partial = F.linear(x, self.weight)                        # (..., out), a partial sum
+        if not self.reduce_output:  # the enclosing block sums the partials once
+            if self.bias is None:
+                return y_partial
+            bias = dist.copy_to_tp_region(self.bias, group=self.tp_group)  # dbias all-reduced
+            return y_partial + (bias if self.tp_rank == 0 else bias * 0)   # bias once over the ranks
         if self.sequence_parallel:
             # (B, T, out) partial -> (B, T/p, out) summed
             y = dist.reduce_scatter_to_sequence_parallel_region(y_partial, group=self.tp_group,
@@ -245,7 +275,7 @@ class RowParallelLinear(nn.Module):
                 f"in_features_per_partition={self.in_features_per_partition}, "
                 f"tp_size={self.tp_size}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, reduce_output={self.reduce_output}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -330,3 +360,43 @@ class VocabParallelEmbedding(nn.Module):
                 f"vocab=[{self.vocab_start_index}, {self.vocab_end_index}), "
                 f"num_embeddings_per_partition={self.num_embeddings_per_partition}, "
                 f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+
+
+class _VocabShard(nn.Embedding):
+    """``nn.Embedding.forward`` replaced by the vocabulary-parallel lookup: the base an embedding
+    subclass is rebased on by :func:`vocab_parallel_like`, so that its own forward, which calls
+    ``super().forward(ids)`` and then scales or normalises the rows, keeps doing so."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return VocabParallelEmbedding.forward(self, ids)
+
+
+_REBASED: dict = {}
+
+
+def vocab_parallel_like(embedding: nn.Embedding, *, tp_group=None) -> nn.Embedding:
+    """This rank's vocabulary rows of an ``nn.Embedding`` subclass with its own forward.
+
+    The result is an instance of ``VocabParallel<Class>``, a subclass of both the embedding's own
+    class and :class:`_VocabShard` (method order: the class's forward, then the vocabulary-
+    parallel lookup where the class calls ``super().forward``), carrying the class's attributes
+    and buffers (Gemma's ``embed_scale``). A subclass whose forward reads ``self.weight`` itself
+    instead of calling ``super().forward`` would look up global ids in a local shard:
+    ``parallelize`` proves the result against the dense module and leaves such a module whole.
+    """
+    VocabParallelEmbedding.from_dense(embedding, tp_group=tp_group)  # the same checks, first
+    cls = type(embedding)
+    rebased = _REBASED.get(cls)
+    if rebased is None:
+        rebased = _REBASED[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabShard),
+                                       {"__module__": __name__})
+    new = rebased.__new__(rebased)
+    nn.Module.__init__(new)
+    skip = {k for k in new.__dict__}  # nn.Module's own containers, fresh
+    new.__dict__.update({k: v for k, v in embedding.__dict__.items() if k not in skip})
+    new._buffers.update(embedding._buffers)
+    new._modules.update(embedding._modules)
+    VocabParallelEmbedding._configure(new, embedding.num_embeddings, embedding.embedding_dim,
+                                      embedding.padding_idx, tp_group, False)
+    VocabParallelEmbedding._load(new, embedding.weight, embedding.weight.requires_grad)
+    return new

@@ -21,11 +21,13 @@ numerically.
 """
 from __future__ import annotations
 
-from tensorpar.models.plans import FAMILY_PLANS, REGION_STYLES, compile_plan, join_name, match_style
-from tensorpar.models.styles import splits_module
+from tensorpar.sharding import registry
+from tensorpar.sharding.plan import compile_plan, join_name, match_style
+from tensorpar.sharding.styles import COLUMN_STYLES, REGION_STYLES, ROW_STYLES, splits_module
 
-COLUMN = ("colwise", "conv1d_colwise", "colwise_kv", "conv1d_qkv")
-ROW = ("rowwise", "conv1d_rowwise")
+# A gathered column split and a row split of a whole input are complete on their own.
+COLUMN = tuple(s for s in COLUMN_STYLES if s != "colwise_gather")
+ROW = tuple(s for s in ROW_STYLES if s != "rowwise_split")
 
 
 def _rel_names(model, prefix):
@@ -58,8 +60,8 @@ def _unit_message(family, unit, inst, got, bad) -> str:
 def _check_units(model, assigned, family, dims, tp_size, prefix) -> set:
     """Every family unit a plan touches is split whole; returns the names the units cover."""
     covered = set()
-    for unit in FAMILY_PLANS[family].units:
-        anchor = compile_plan({unit.anchor: "replicate"})
+    for unit in registry.ARCHS[family].units:
+        anchor = compile_plan({unit.anchor: "replicate"}, ("replicate",))
         for name, rel in _rel_names(model, prefix):
             if match_style(anchor, (name, rel)) is None:
                 continue
@@ -120,6 +122,7 @@ def _check_kinds(model, assigned) -> None:
 def check_plan(model, assigned: dict, family, dims, tp_size: int, prefix) -> None:
     """ValueError when ``assigned`` (module name -> style) would not compute ``model``'s function."""
     _check_kinds(model, assigned)
-    covered = _check_units(model, assigned, family, dims, tp_size, prefix) if family else set()
+    units = family is not None and family in registry.ARCHS and registry.ARCHS[family].units
+    covered = _check_units(model, assigned, family, dims, tp_size, prefix) if units else set()
     _check_partners(assigned, covered)
     _check_regions(model, assigned, covered)

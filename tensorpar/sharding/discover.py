@@ -81,43 +81,121 @@ def _record_calls(model: nn.Module, example_inputs) -> tuple[dict, list]:
 
 @contextmanager
 def _as_shard(model, a_names, b_name, i, p):
-    """Temporarily make ``a_names`` hold rows block ``i`` and ``b_name`` columns block ``i``."""
-    saved = []
+    """Temporarily make ``a_names`` hold rows block ``i`` and ``b_name`` columns block ``i``
+    (leaf parameters that take gradients); yields ``{param name: shard}``."""
+    saved, shards = [], {}
     try:
         for n in a_names:
             m = model.get_submodule(n)
             saved.append((m, m.weight, m.bias))
-            m.weight = nn.Parameter(m.weight.chunk(p, 0)[i], requires_grad=False)  # (out/p, in)
+            m.weight = nn.Parameter(m.weight.detach().chunk(p, 0)[i].clone())  # (out/p, in)
+            shards[f"{n}.weight"] = m.weight
             if m.bias is not None:
-                m.bias = nn.Parameter(m.bias.chunk(p, 0)[i], requires_grad=False)
+                m.bias = nn.Parameter(m.bias.detach().chunk(p, 0)[i].clone())
+                shards[f"{n}.bias"] = m.bias
         b = model.get_submodule(b_name)
         saved.append((b, b.weight, b.bias))
-        b.weight = nn.Parameter(b.weight.chunk(p, 1)[i], requires_grad=False)  # (out, in/p)
+        b.weight = nn.Parameter(b.weight.detach().chunk(p, 1)[i].clone())  # (out, in/p)
+        shards[f"{b_name}.weight"] = b.weight
         b.bias = None
-        yield
+        yield shards
     finally:
         for m, w, bias in saved:
             m.weight, m.bias = w, bias
 
 
-def _pair_error(model, parent, a_names, b_name, args, kwargs, p) -> float | None:
-    """Max relative |P(x) - (sum_i P_i(x) + b)|, or None when a shard run fails."""
+def _with_grad_input(args, kwargs):
+    """The call's arguments with the hidden states (every occurrence of the first tensor, as the
+    region's entry copies them) replaced by a fresh leaf taking gradients."""
+    from tensorpar.nn.regions import hidden_input, replace_input
+    x = hidden_input(args, kwargs)
+    if x is None or not x.is_floating_point():
+        return None, args, dict(kwargs)
+    leaf = x.detach().clone().requires_grad_(True)
+    new_args, new_kwargs = replace_input(args, kwargs, x, leaf)
+    return leaf, new_args, new_kwargs
+
+
+def _run(module, args, kwargs, leaves, cotangent=None):
+    """``(output, cotangent, {leaf: gradient})`` of ``<output, cotangent>``."""
+    out = _first_tensor(module(*args, **kwargs))
+    if out is None:
+        return None, None, {}
+    if cotangent is None:
+        g = torch.Generator().manual_seed(1234)
+        cotangent = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    names = [n for n, t in leaves.items() if t is not None and t.requires_grad]
+    grads = torch.autograd.grad((out * cotangent).sum(), [leaves[n] for n in names], allow_unused=True)
+    return out.detach(), cotangent, dict(zip(names, grads))
+
+
+def _pair_error(model, parent, a_names, b_name, args, kwargs, p) -> tuple[float | None, list]:
+    """``(error, partial)``: the largest relative difference between ``P`` and its shard sum,
+    forward and backward, and the replicated parameters of ``P`` whose shard gradients only sum
+    to the dense one (they need ``grad_sync``); ``(None, [])`` when a shard run fails.
+
+    Backward compares, against the dense gradients of ``<P(x), R>`` (R random): the input
+    gradient with the sum over shards (the region's entry all-reduces it), each shard's weight
+    gradients with the dense gradient's slice, and every other parameter of ``P`` with the sum
+    over shards. Differences are relative to the largest dense gradient of the block, so a
+    parameter whose exact gradient vanishes (a key bias) is judged on the block's scale.
+    """
     module = model.get_submodule(parent)
-    with torch.no_grad():
-        dense = _first_tensor(module(*args, **kwargs))
+    own = {f"{parent}.{n}" if parent else n: t for n, t in module.named_parameters()}
+    split = {f"{n}.{a}" for n in (*a_names, b_name) for a in ("weight", "bias")}
+    others = {n: t for n, t in own.items() if n not in split and t.requires_grad}
+    with torch.enable_grad():
+        x, d_args, d_kwargs = _with_grad_input(args, kwargs)
+        dense, cot, d_grads = _run(module, d_args, d_kwargs, {"x": x, **own})
+        if dense is None:
+            return None, []
+        total, sums, shard_err = None, {}, 0.0
         try:
-            total = None
             for i in range(p):
-                with _as_shard(model, a_names, b_name, i, p):
-                    out = _first_tensor(module(*args, **kwargs))
+                with _as_shard(model, a_names, b_name, i, p) as shards:
+                    xi, s_args, s_kwargs = _with_grad_input(args, kwargs)
+                    out, _, g = _run(module, s_args, s_kwargs, {"x": xi, **others, **shards}, cot)
+                    shard_err = max(shard_err, _shard_grad_error(g, d_grads, shards, a_names, i, p))
                 total = out if total is None else total + out
+                for n in ("x", *others):
+                    if g.get(n) is not None:
+                        sums[n] = g[n] if n not in sums else sums[n] + g[n]
         except (RuntimeError, ValueError, IndexError):
-            return None
-        bias = model.get_submodule(b_name).bias
-        if dense is None or total is None or total.shape != dense.shape:
-            return None
-        total = total if bias is None else total + bias
-        return float((total - dense).abs().max() / dense.abs().max().clamp_min(1e-30))
+            return None, []
+    bias = model.get_submodule(b_name).bias
+    if total is None or total.shape != dense.shape:
+        return None, []
+    total = total if bias is None else total + bias.detach()
+    scale = max([d.abs().max().item() for d in d_grads.values() if d is not None] + [1e-30])
+    fwd = float((total - dense).abs().max() / dense.abs().max().clamp_min(1e-30))
+    err = max(fwd, shard_err / scale)
+    partial = []
+    for n, dg in d_grads.items():
+        if n in split or n not in sums and (dg is None or not dg.abs().max()):
+            continue
+        err = max(err, _diff(sums.get(n), dg) / scale)
+        if n != "x" and dg is not None and dg.abs().max() > 0:
+            partial.append(n)
+    return err, partial
+
+
+def _diff(a, b) -> float:
+    a = torch.zeros_like(b) if a is None and b is not None else a
+    b = torch.zeros_like(a) if b is None else b
+    return (a - b).abs().max().item() if a is not None else 0.0
+
+
+def _shard_grad_error(g, d_grads, shards, a_names, i, p) -> float:
+    """Largest |shard gradient - slice of the dense gradient| of one shard run."""
+    worst = 0.0
+    for name in shards:
+        dense = d_grads.get(name)
+        mine = g.get(name)
+        if dense is None:
+            continue
+        dim = 0 if name.rpartition(".")[0] in a_names else 1
+        worst = max(worst, _diff(mine, dense.chunk(p, dim)[i]))
+    return worst
 
 
 def _candidate(model, calls, log, assigned, p):
@@ -138,8 +216,22 @@ def _tolerance(model) -> float:
     return 1e-9 if dtype == torch.float64 else 1e-4
 
 
+def discover(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
+    """``({name: style}, notes)``: checked pairs (their block an ``mlp`` region) and the vocabulary."""
+    if example_inputs is None:
+        example_inputs = getattr(model, "dummy_inputs", None)
+    if example_inputs is None:
+        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ValueError(f"no plan for model type {kind!r}: it declares none and tensorpar's registry "
+                         f"has no entry; plan='auto' on it needs example_inputs=... to check linear "
+                         f"pairs on, or pass a plan dict")
+    pairs, notes = find_pairs(model, tp_size, example_inputs)
+    vocab, vnotes = find_vocab(model, pairs)
+    return {**pairs, **vocab}, notes + vnotes
+
+
 def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
-    """``{linear_name: "colwise"|"rowwise"}`` for every checked pair, and the notes."""
+    """``{linear_name: "colwise"|"rowwise", block: "mlp"}`` for every checked pair, and the notes."""
     modes = {m: m.training for m in model.modules()}  # each module's own mode, restored after
     model.eval()  # dropout off: the dense and shard runs must see the same function
     try:
@@ -151,13 +243,16 @@ def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
             if pair is None:
                 continue
             a_names, b_name = pair
-            err = _pair_error(model, parent, a_names, b_name, *calls[parent][:2], tp_size)
+            err, partial = _pair_error(model, parent, a_names, b_name, *calls[parent][:2], tp_size)
             where = parent or "<model>"
-            if err is not None and err <= tol:
+            if err is not None and err <= tol and (parent or not partial):
                 styles.update({n: "colwise" for n in a_names} | {b_name: "rowwise"})
+                if parent:  # one input copy for the block; its replicated parameters' gradients synced
+                    styles[parent] = "mlp"
                 assigned.update((*a_names, b_name))
-                notes.append(f"paired {', '.join(a_names)} -> {b_name} in {where} "
-                             f"(checked: relative error {err:.1e})")
+                notes.append(f"paired {', '.join(a_names)} -> {b_name} in {where} (checked forward and "
+                             f"backward, every parameter: relative error {err:.1e})"
+                             + (f"; gradients all-reduced: {', '.join(partial)}" if partial else ""))
             else:
                 why = "a shard run failed" if err is None else f"relative error {err:.1e}"
                 notes.append(f"not paired in {where}: {', '.join(a_names)} -> {b_name} ({why}); replicated")

@@ -1,0 +1,170 @@
+"""Tensor-parallel regions on modules tensorpar does not own (a Hugging Face attention, MLP or
+mixture-of-experts block), set up with forward hooks rather than new forward code.
+
+A region is the stretch of a block between its replicated input and its replicated output, where
+activations are sharded (column outputs, heads) or partial sums (row outputs before their
+reduction). Megatron-LM's ``f`` / ``g`` pair (Shoeybi et al. 2019, sec. 3) bounds it:
+
+- :func:`enter_region`: ``f`` on the block's hidden-states input (identity forward, all-reduce
+  of dX in backward), so the column-parallel linears inside share one input copy;
+- :func:`exit_region`: ``g`` on the block's output (all-reduce forward, identity backward), for
+  a block whose inner row-parallel linears leave partial sums (one all-reduce per
+  mixture-of-experts layer: the routed experts' and the shared experts' partials summed once);
+- :func:`sync_grad`: a replicated parameter used inside the region (a per-head norm, a router)
+  gets only this rank's share of its gradient; during each forward that takes gradients the
+  module sees ``copy_to_tp_region(param)`` instead of the parameter, so backward all-reduces
+  that gradient (2(p-1)/p * numel * e bytes, recorded by the ledger under the module's name);
+- :func:`rank0_only`: a replicated bias added inside a partial-sum region (an expert's down
+  projection bias) would be summed ``p`` times; the module sees it on rank 0 and zeros elsewhere,
+  and its gradient (rank 0's, zero elsewhere) is all-reduced so every copy steps alike.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from tensorpar import dist
+
+
+def hidden_input(args, kwargs) -> torch.Tensor | None:
+    """A block's hidden-states input: its first positional tensor, else ``hidden_states=``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    x = kwargs.get("hidden_states")
+    return x if isinstance(x, torch.Tensor) else None
+
+
+def replace_input(args, kwargs, x, new):
+    """``args`` and ``kwargs`` with every occurrence of the tensor ``x`` (the same object: CTRL
+    passes its normalised input as query, key and value) replaced by ``new``."""
+    return (tuple(new if a is x else a for a in args),
+            {k: new if v is x else v for k, v in kwargs.items()})
+
+
+def _copy_in(module, args, kwargs, *, group):
+    x = hidden_input(args, kwargs)
+    if x is None:
+        raise ValueError(f"{type(module).__name__} is a tensor-parallel region but was called without "
+                         f"a positional tensor input or hidden_states=; its column-parallel linears "
+                         f"would miss their input copy")
+    return replace_input(args, kwargs, x, dist.copy_to_tp_region(x, group=group))
+
+
+def enter_region(module, group):
+    """``f`` on ``module``'s hidden-states input; returns the hook handle."""
+    return module.register_forward_pre_hook(partial(_copy_in, group=group), with_kwargs=True)
+
+
+def _reduce_out(module, args, output, *, group):
+    if isinstance(output, torch.Tensor):
+        return dist.reduce_from_tp_region(output, group=group)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (dist.reduce_from_tp_region(output[0], group=group), *output[1:])
+    raise ValueError(f"{type(module).__name__} is a partial-sum region but returned "
+                     f"{type(output).__name__}; expected a tensor or a tuple starting with one")
+
+
+def exit_region(module, group):
+    """``g`` on ``module``'s output (its first element for a tuple); returns the hook handle."""
+    return module.register_forward_hook(partial(_reduce_out, group=group))
+
+
+class _Substitutes:
+    """Per-module table of ``attr -> transform``: each forward that takes gradients sees
+    ``transform(param)`` in place of the parameter ``attr`` (restored right after, also when
+    the forward raises)."""
+
+    def __init__(self, module):
+        self.transforms = {}
+        self.saved = {}
+        self.handles = (module.register_forward_pre_hook(self._swap_in),
+                        module.register_forward_hook(self._swap_out, always_call=True))
+
+    def _swap_in(self, module, _args):
+        if not torch.is_grad_enabled() and all(t.grad_only for t in self.transforms.values()):
+            return
+        for attr, transform in self.transforms.items():
+            p = module._parameters.get(attr)
+            if p is None or (transform.grad_only and not (torch.is_grad_enabled() and p.requires_grad)):
+                continue
+            self.saved[attr] = module._parameters.pop(attr)
+            module.__dict__[attr] = transform(p)
+
+    def _swap_out(self, module, _args, _output):
+        for attr, p in self.saved.items():
+            module.__dict__.pop(attr, None)
+            module._parameters[attr] = p
+        self.saved.clear()
+
+
+def _substitutes(module) -> _Substitutes:
+    subs = module.__dict__.get("_tp_substitutes")
+    if subs is None:
+        subs = _Substitutes(module)
+        module.__dict__["_tp_substitutes"] = subs
+    return subs
+
+
+class _GradAllReduce:
+    """``copy_to_tp_region``: the forward value unchanged, the gradient all-reduced."""
+    grad_only = True
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, p):
+        return dist.copy_to_tp_region(p, group=self.group)
+
+
+class _Rank0:
+    """The value on group rank 0, zeros elsewhere, its gradient all-reduced."""
+    grad_only = False
+
+    def __init__(self, group):
+        self.group = group
+        self.keep = dist.get_rank(group) == 0
+
+    def __call__(self, p):
+        p = dist.copy_to_tp_region(p, group=self.group) if torch.is_grad_enabled() and p.requires_grad else p
+        return p if self.keep else p * 0  # (p * 0 keeps the gradient path: rank 0's gradient, zero here)
+
+
+def sync_grad(module, attr: str, group) -> None:
+    """All-reduce the gradient of ``module``'s replicated parameter ``attr`` over ``group``."""
+    _substitutes(module).transforms[attr] = _GradAllReduce(group)
+
+
+def rank0_only(module, attr: str, group) -> None:
+    """Add ``module``'s parameter ``attr`` on group rank 0 only; its gradient all-reduced."""
+    _substitutes(module).transforms[attr] = _Rank0(group)
+
+
+def remove_substitutes(module) -> None:
+    subs = module.__dict__.pop("_tp_substitutes", None)
+    if subs is not None:
+        for h in subs.handles:
+            h.remove()
+
+
+def _rows_grad(grad, *, rows, slot, n_slots, group, name):
+    """The gradient with ``rows`` summed over the ranks that hold the same ``slot``."""
+    mine = torch.cat([grad[a:b] for a, b in rows])  # (replicated rows, ...)
+    buf = mine.new_zeros((n_slots, *mine.shape))  # one slot per KV head: ranks add into theirs
+    buf[slot] = mine
+    dist.all_reduce(buf, group, phase="backward", module=name)
+    out, offset = grad.clone(), 0
+    for a, b in rows:
+        out[a:b] = buf[slot, offset:offset + b - a]
+        offset += b - a
+    return out
+
+
+def sync_rows_grad(param, rows: tuple, slot: int, n_slots: int, group, name: str):
+    """Rows of a fused projection's shard that several ranks hold alike (one replicated KV head
+    beside this rank's query heads): each rank's gradient of them covers its own query heads
+    only, so backward sums them over the ranks sharing ``slot`` (the ``ReplicatedHeadLinear``
+    slot scheme: an all-reduce of ``n_slots`` x rows, zeros outside one's own slot).
+    Returns the hook handle."""
+    return param.register_hook(partial(_rows_grad, rows=tuple(rows), slot=slot, n_slots=n_slots,
+                                       group=group, name=name))

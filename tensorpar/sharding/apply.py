@@ -1,0 +1,145 @@
+"""``parallelize``: a plan applied to a model, in place, exactly or not at all.
+
+The work walks one way, each step handing a typed record to the next:
+
+1. **resolve** (:mod:`.resolve`): the plan (the registry's, the model's declaration translated,
+   the user's, or discovered pairs) as a :class:`~.plan.Resolution`: a style per concrete module
+   and parameter, the regions, the gradients to synchronise, the blocks left whole and why;
+2. **check** (:mod:`.feasibility`, :mod:`.checks`): every split size against tp (ValueError
+   listing the valid tp sizes), a user plan against the family's units;
+3. **build** (:mod:`.styles`): every replacement module and parameter shard, without touching
+   the model; in an ``"auto"`` plan a block whose builder refuses it stays whole;
+4. **commit** (:mod:`.commit`): swap modules and parameters, re-tie, install the region hooks,
+   set per-rank head counts; every change is logged so it can be undone;
+5. **prove** (:mod:`.prove`): the split model against the dense one on example inputs, forward
+   and backward, every parameter's gradient; a block that fails is restored whole (``"auto"``)
+   or the whole model is restored and ``ValueError`` names it (a user plan).
+
+After any error the model is exactly as it was (parameters, module types, hooks, attributes).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar.nn.layers import tp_info
+from tensorpar.sharding import checks, commit as C, prove as P, resolve as R
+from tensorpar.sharding.certify import certify
+from tensorpar.sharding.feasibility import report as feasibility_report
+from tensorpar.sharding.report import ParallelizeReport
+from tensorpar.sharding.styles import REGION_STYLES, STYLES, Built, StyleContext
+
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
+MAX_ATTEMPTS = 4  # resolve -> prove rounds: each one leaves at least one more block whole
+
+
+def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=None,
+                prove: bool = True) -> nn.Module:
+    """Shard ``model`` over the ranks of ``tp_group`` (None: world) following ``plan``; return it.
+
+    ``plan``: ``"auto"`` (the registry's plan for ``config.model_type``, else the model's own
+    declared ``tp_plan`` translated, else column -> row pairs checked on ``example_inputs``),
+    ``"declared"`` (the model's declaration, even where the registry has a plan), an
+    architecture name, or a dict of module-name pattern -> style. ``prove``: run the split
+    model against the dense one on example inputs before returning (forward and backward,
+    every parameter's gradient; every rank takes part); a block that fails is left whole
+    (``"auto"``) or raises ``ValueError`` (a dict). What was done is in ``model.tp_report``.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_dense(model)
+    tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
+    params_total = sum(p.numel() for p in model.parameters())
+    res = R.resolve(model, plan, tp_size, example_inputs)
+    _check(model, res, tp_size)
+    on_meta = any(p.is_meta for p in model.parameters())
+    evidence = None
+    if prove and tp_size > 1 and on_meta:  # no weights to run: prove a small replica instead
+        res.whole.update(certify(model, plan, tp_group, example_inputs))
+        R.drop_whole(res)
+    elif prove and tp_size > 1:
+        evidence = P.Evidence.collect(model, res, example_inputs)
+    for _ in range(MAX_ATTEMPTS):
+        built = _build(model, res, tp_group, tp_size, tp_rank)
+        undo = C.commit(model, res, built, tp_group, tp_size)
+        failed = evidence.check(model, res, built, tp_group) if evidence is not None else {}
+        if not failed:
+            break
+        undo.revert()
+        if res.strict:
+            raise ValueError("plan does not compute the model's function: " +
+                             "; ".join(f"{k}: {v}" for k, v in failed.items()))
+        res.whole.update(failed)
+        R.drop_whole(res)
+    else:
+        raise ValueError(f"could not split {type(model).__name__} exactly after {MAX_ATTEMPTS} attempts")
+    C.tag_params(model, built, tp_size, res)
+    model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
+                                           proved=("replica" if on_meta else True) if prove and tp_size > 1
+                                           else tp_size == 1)
+    return model
+
+
+def _check_dense(model) -> None:
+    """Refuse a model that is, or holds a module that is, already parallelized."""
+    for name, mod in model.named_modules():
+        if hasattr(mod, "tp_report") or isinstance(mod, _PARALLEL):
+            what = "it has a tp_report" if not name else (
+                f"its submodule {name!r} " + ("has a tp_report" if hasattr(mod, "tp_report")
+                                             else f"is a {type(mod).__name__}"))
+            raise ValueError(f"model is already parallelized ({what}); build a fresh dense model")
+
+
+def _check(model, res, tp_size) -> None:
+    """Feasibility of every split size; a user plan also against its family's units."""
+    sizes = R.sizes_of(model, res)
+    feas = feasibility_report(res.arch or type(model).__name__, sizes, tp_size)
+    res.feasibility = feas
+    if not feas.ok:
+        raise ValueError(feas.error_message())
+    res.notes = feas.fixes + res.notes
+    if res.source == "user":
+        checks.check_plan(model, res.styles(), res.arch, res.dims, tp_size, R.base_prefix(model))
+    needs_heads = [n for n, p in res.placements.items() if STYLES[p.style].needs_heads]
+    if needs_heads and res.dims is None:
+        raise ValueError(f"styles on {needs_heads[:3]} need the model's head counts, which its config "
+                         f"does not give (num_attention_heads, hidden_size)")
+
+
+def _in_region(name: str, res) -> bool:
+    regs = R.regions(res.placements)
+    return R.region_of(name, regs) is not None
+
+
+def _reduce_later(name: str, res) -> bool:
+    regs = R.regions(res.placements)
+    anchor = R.region_of(name, regs)
+    return anchor is not None and regs[anchor].style == "moe"
+
+
+def _build(model, res, tp_group, tp_size, tp_rank) -> dict:
+    """``{name: Built}`` for every placement with a builder; a block whose builder refuses it is
+    left whole (an ``"auto"`` plan; a user plan raises)."""
+    while True:
+        built, failed = {}, {}
+        for name, p in res.placements.items():
+            style = STYLES[p.style]
+            if style.build is None:
+                continue
+            owner = model.get_submodule(name.rpartition(".")[0]) if style.target == "param" else (
+                model.get_submodule(name))
+            ctx = StyleContext(tp_group, tp_size, tp_rank, res.dims, _in_region(name, res), p,
+                               reduce_later=_reduce_later(name, res))
+            try:
+                built[name] = style.build(owner, ctx, name)
+            except ValueError as exc:
+                if res.strict:
+                    raise
+                failed[name] = str(exc)
+        if not failed:
+            return built
+        res.whole.update(failed)
+        R.drop_whole(res)
+
+
+__all__ = ["parallelize", "REGION_STYLES", "Built"]

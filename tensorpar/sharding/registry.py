@@ -1,0 +1,217 @@
+"""Architecture facts in one place: what tensorpar knows about each ``model_type``.
+
+Every consumer reads this module: ``parallelize`` (the plan to apply and how attention modules
+hold their head counts), ``load_sharded`` and the jobs (which models are supported and how to
+read their sizes), and the planner (through the inventory ``tensorpar.sharding.inventory``
+builds from the same resolved plan). Plain data, importable without torch.
+
+How a plan is chosen for a model (``tensorpar.sharding.resolve``):
+
+1. the architecture's :class:`Arch` entry here has a ``plan``: that plan (architectures whose
+   transformers config declares none: GPT-2, BERT, OPT, BLOOM, MPT, GPT-BigCode, StableLM,
+   Persimmon, Falcon, ...);
+2. otherwise the model's own declared plan (``model.tp_plan``: transformers'
+   ``base_model_tp_plan``), translated style by style (``tensorpar.sharding.declared``), with the
+   entry's ``overrides`` where tensorpar splits better than the declaration (Phi-3's fused
+   ``qkv_proj`` split per head and segment instead of gathered);
+3. otherwise column -> row pairs found and checked numerically (``tensorpar.sharding.discover``).
+
+Adding an architecture is one :class:`Arch` entry, or nothing when the model declares its plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Attributes an attention module may hold its head counts in, and what each one counts. A
+# module's attributes of these names are set to their per-rank values when its heads are split.
+HEAD_ATTRS = {
+    "num_heads": "q", "num_attention_heads": "q", "n_heads": "q", "n_head": "q", "num_q_heads": "q",
+    "num_key_value_heads": "kv", "num_kv_heads": "kv", "n_kv_heads": "kv", "kv_n_heads": "kv",
+    "num_key_value_groups": "groups", "num_queries_per_kv": "groups",
+}
+# Width attributes (query heads x head dim), set only where an entry names them: on some modules
+# a name like ``hidden_size`` means the model width instead.
+WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "hidden_size", "inner_dim", "kv_dim")
+KV_WIDTH_ATTRS = ("kv_dim",)  # KV heads x head dim
+
+# Config field names of each size, in the order they are looked for.
+CONFIG_NAMES = {
+    "n_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"),
+    "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "num_query_groups"),
+    "head_dim": ("head_dim", "kv_channels", "attention_head_dim", "dim_head"),
+    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "ffn_hidden_size", "dim_ff"),
+    "hidden": ("hidden_size", "n_embd", "d_model", "dim_model"),
+    "vocab": ("vocab_size",),
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What tensorpar knows about one architecture (a transformers ``model_type``).
+
+    - ``plan``: tensorpar's own plan (pattern -> style), or None to use the model's declaration;
+      a function of the config where the layout depends on it (Falcon's fused qkv).
+    - ``overrides``: pattern -> style replacing or adding to the declared plan; a fused style's
+      segments in ``segments`` (pattern -> ``("q", "kv", "kv")``: widths in query heads, KV heads
+      or the ffn width).
+    - ``head_attrs``: extra width attributes of the attention module (see :data:`WIDTH_ATTRS`).
+    - ``head_config``: config fields the attention module reads its head counts from; it gets a
+      copy of the config with the per-rank values.
+    - ``head_inputs``: keyword inputs of the attention module that carry one slice per head
+      (ALiBi biases), with their layout: ``"batch*heads"`` (``(B * n_heads, ...)``) or
+      ``"heads"`` (``(n_heads, ...)``).
+    - ``linear_classes``: ``nn.Linear`` subclasses whose forward computes exactly ``x W^T + b``.
+    - ``config_names``: the config field of a size where it is none of :data:`CONFIG_NAMES`.
+    - ``units``: family blocks a user plan must split whole (``tensorpar.sharding.checks``).
+    - ``whole``: module-name pattern -> why it stays whole (reported, never approximated).
+    """
+    name: str
+    plan: dict | None = None
+    overrides: dict = field(default_factory=dict)
+    segments: dict = field(default_factory=dict)
+    head_attrs: tuple = ()
+    head_config: tuple = ()
+    head_inputs: dict = field(default_factory=dict)
+    linear_classes: tuple = ()
+    config_names: dict = field(default_factory=dict)
+    units: tuple = ()
+    whole: dict = field(default_factory=dict)
+    notes: tuple = ()
+
+
+def _unit(kind, anchor, members, optional=()):
+    from tensorpar.sharding.plan import Unit
+    return Unit(kind, anchor, members, optional)
+
+
+def _units_plan(first, units, last):
+    from tensorpar.sharding.plan import plan_of_units
+    return plan_of_units(first, units, last)
+
+
+# ---- tensorpar's own plans, for architectures that declare none -------------------------------
+
+_DECODER_UNITS = (
+    _unit("attention", "layers.*.self_attn", (("", "attention"), ("q_proj", "colwise"),
+          ("k_proj", "colwise_kv"), ("v_proj", "colwise_kv"), ("o_proj", "rowwise"))),
+    _unit("mlp", "layers.*.mlp", (("gate_proj", "colwise"), ("up_proj", "colwise"),
+          ("down_proj", "rowwise")), optional=(("", "mlp"),)),
+)
+_GPT2_UNITS = (
+    _unit("attention", "h.*.attn", (("", "attention"), ("c_attn", "conv1d_qkv"),
+          ("c_proj", "conv1d_rowwise"))),
+    _unit("mlp", "h.*.mlp", (("c_fc", "conv1d_colwise"), ("c_proj", "conv1d_rowwise"))),
+)
+# BERT's row partners sit outside the module that holds the column linears:
+# attention.self.{query,key,value} -> attention.output.dense, intermediate.dense -> output.dense.
+_BERT_UNITS = (
+    _unit("attention", "encoder.layer.*.attention", (("self", "attention"), ("self.query", "colwise"),
+          ("self.key", "colwise"), ("self.value", "colwise"), ("output.dense", "rowwise"))),
+    _unit("mlp", "encoder.layer.*", (("intermediate.dense", "colwise"), ("output.dense", "rowwise"))),
+)
+
+_LLAMA = _units_plan({"embed_tokens": "vocab"}, _DECODER_UNITS, {"lm_head": "vocab_head"})
+_GPT2 = _units_plan({"wte": "vocab"}, _GPT2_UNITS, {"lm_head": "vocab_head"})
+_BERT = _units_plan({"embeddings.word_embeddings": "vocab"}, _BERT_UNITS,
+                    {"cls.predictions.decoder": "vocab_head", "lm_head.decoder": "vocab_head",
+                     "generator_lm_head": "vocab_head"})
+# Encoders of BERT's layout under other names (used as decoders by their *ForCausalLM classes).
+_BERT_LIKE = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "electra", "ernie",
+              "megatron-bert", "rembert", "roc_bert", "roformer", "big_bird", "bert-generation", "xmod",
+              "roberta-prelayernorm")
+
+
+def _attention(prefix: str, q: str, k: str, v: str, o: str, kv_style: str = "colwise_kv") -> dict:
+    return {prefix: "attention", f"{prefix}.{q}": "colwise", f"{prefix}.{k}": kv_style,
+            f"{prefix}.{v}": kv_style, f"{prefix}.{o}": "rowwise"}
+
+
+def _pair(col: str, row: str, region: str | None = None) -> dict:
+    return {**({region: "mlp"} if region else {}), col: "colwise", row: "rowwise"}
+
+
+# Decoders of encoder-decoder models used as causal LMs (BartForCausalLM and its kin): the MLP
+# is fc1 -> fc2 directly in the layer; the cross-attention ("encoder_attn") is unused without
+# encoder states and stays whole.
+_BART_DECODER = {"decoder.embed_tokens": "vocab",
+                 **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
+                 **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head"}
+_OPT = {"decoder.embed_tokens": "vocab",
+        **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
+        **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head"}
+_FAIRSEQ = {"embed_tokens": "vocab",  # BioGPT, XGLM: the same layer as BART's decoder, no cross-attention
+            **_attention("layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
+            **_pair("layers.*.fc1", "layers.*.fc2"), "lm_head": "vocab_head", "output_projection": "vocab_head"}
+_NEOX_STYLE = {  # per-head interleaved fused qkv: a contiguous split keeps whole heads together
+    "h.*.self_attention": "attention", "h.*.self_attention.query_key_value": "colwise",
+    "h.*.self_attention.dense": "rowwise", **_pair("h.*.mlp.dense_h_to_4h", "h.*.mlp.dense_4h_to_h", "h.*.mlp"),
+}
+
+def _falcon(config) -> tuple[dict, dict]:
+    """Falcon's fused qkv: multi-query (one KV head) is ``[q heads | k | v]``, split per segment
+    with the KV head replicated; the other layouts keep each head (or each KV group) contiguous."""
+    plan = {"word_embeddings": "vocab", **_NEOX_STYLE, "lm_head": "vocab_head"}
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        qkv = "h.*.self_attention.query_key_value"
+        return {**plan, qkv: "fused_colwise"}, {qkv: ("q", "kv", "kv")}
+    return plan, {}
+
+
+def _bigcode(config) -> tuple[dict, dict]:
+    """GPT-BigCode's c_attn: multi-query is ``[q | k | v]`` (one KV head, replicated), else each
+    head's q, k, v side by side (a contiguous split keeps heads whole)."""
+    plan = {"wte": "vocab", "h.*.attn": "attention", "h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
+            **_pair("h.*.mlp.c_fc", "h.*.mlp.c_proj", "h.*.mlp"), "lm_head": "vocab_head"}
+    if getattr(config, "multi_query", True):
+        return {**plan, "h.*.attn.c_attn": "fused_colwise"}, {"h.*.attn.c_attn": ("q", "kv", "kv")}
+    return plan, {}
+
+
+ARCHS: dict[str, Arch] = {a.name: a for a in (
+    Arch("llama", units=_DECODER_UNITS),
+    Arch("mistral", units=_DECODER_UNITS),
+    Arch("qwen2", units=_DECODER_UNITS),
+    Arch("gpt2", _GPT2, head_attrs=("split_size",), units=_GPT2_UNITS),
+    Arch("bert", _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS),
+    *(Arch(name, _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS) for name in _BERT_LIKE),
+    Arch("opt", _OPT),
+    Arch("bart", _BART_DECODER), Arch("mbart", _BART_DECODER), Arch("marian", _BART_DECODER),
+    Arch("pegasus", _BART_DECODER), Arch("plbart", _BART_DECODER), Arch("blenderbot", _BART_DECODER),
+    Arch("blenderbot-small", _BART_DECODER), Arch("bigbird_pegasus", _BART_DECODER),
+    Arch("biogpt", _FAIRSEQ), Arch("xglm", _FAIRSEQ),
+    Arch("bloom", {"word_embeddings": "vocab", **_NEOX_STYLE, "lm_head": "vocab_head"},
+         head_inputs={"alibi": "batch*heads"}),
+    Arch("falcon", lambda c: _falcon(c)[0], segments=lambda c: _falcon(c)[1],
+         linear_classes=("FalconLinear",), head_inputs={"alibi": "batch*heads"}),
+    Arch("persimmon", {"embed_tokens": "vocab", "layers.*.self_attn": "attention",
+                       "layers.*.self_attn.query_key_value": "colwise", "layers.*.self_attn.dense": "rowwise",
+                       **_pair("layers.*.mlp.dense_h_to_4h", "layers.*.mlp.dense_4h_to_h", "layers.*.mlp"),
+                       "lm_head": "vocab_head"}),
+    Arch("stablelm", _LLAMA),
+    Arch("mpt", {"wte": "vocab", "blocks.*.attn": "attention", "blocks.*.attn.Wqkv": "fused_colwise",
+                 "blocks.*.attn.out_proj": "rowwise",
+                 **_pair("blocks.*.ffn.up_proj", "blocks.*.ffn.down_proj", "blocks.*.ffn"), "lm_head": "vocab_head"},
+         segments={"blocks.*.attn.Wqkv": ("q", "q", "q")}, head_inputs={"position_bias": "heads"},
+         head_attrs=("hidden_size",)),
+    Arch("gpt_bigcode", lambda c: _bigcode(c)[0], segments=lambda c: _bigcode(c)[1],
+         head_attrs=("embed_dim", "kv_dim", "split_size")),
+    # Phi-3 declares qkv_proj and gate_up_proj gathered (every rank then computes every head);
+    # split per segment, attention runs on this rank's heads.
+    Arch("phi3", overrides={"layers.*.self_attn": "attention", "layers.*.self_attn.qkv_proj": "fused_colwise",
+                            "layers.*.self_attn.o_proj": "rowwise", "layers.*.mlp": "mlp",
+                            "layers.*.mlp.gate_up_proj": "fused_colwise", "layers.*.mlp.down_proj": "rowwise"},
+         segments={"layers.*.self_attn.qkv_proj": ("q", "kv", "kv"), "layers.*.mlp.gate_up_proj": ("ffn", "ffn")},
+         head_config=("num_attention_heads", "num_key_value_heads")),
+)}
+
+
+def arch(model_type: str | None) -> Arch | None:
+    return ARCHS.get(model_type) if model_type else None
+
+
+FAMILIES = tuple(ARCHS)  # the architectures with an entry here (more run from their declared plan)
+
+
+def linear_equivalents() -> frozenset:
+    """Names of ``nn.Linear`` subclasses, across all entries, whose forward is ``x W^T + b``."""
+    return frozenset(c for a in ARCHS.values() for c in a.linear_classes)

@@ -1,0 +1,58 @@
+"""What ``parallelize`` did to a model, kept on it as ``model.tp_report`` (JSON via ``to_dict``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParallelizeReport:
+    """``styles``: module or parameter name -> style applied; ``replicated``: modules with their
+    own parameters left whole; ``whole``: blocks left whole on purpose, and why (a style with no
+    exact translation, a builder's refusal, a failed proof); ``grad_sync``: replicated parameters
+    whose gradient is all-reduced; ``notes``: fixes applied (KV replication, vocabulary padding)
+    and, for a discovered plan, each pair checked; ``params_per_rank`` against ``params_total``
+    (the dense model's unique parameters, tied ones once); ``proved``: ``True`` when the split
+    was checked against the dense model on example inputs, forward and backward (tp 1: nothing
+    to prove), ``"replica"`` for a model on the meta device, proved through a small replica of
+    its config (``tensorpar.sharding.certify``), ``False`` when the caller gave up the proof."""
+    family: str | None
+    source: str  # "tensorpar", "declared", "user" or "discovered"
+    tp_size: int
+    tp_rank: int
+    notes: list = field(default_factory=list)
+    feasibility: object = None
+    tp_group: object = None
+    params_total: int = 0
+    params_per_rank: int = 0
+    styles: dict = field(default_factory=dict)
+    replicated: list = field(default_factory=list)
+    whole: dict = field(default_factory=dict)
+    grad_sync: list = field(default_factory=list)
+    proved: bool | str = False
+
+    @classmethod
+    def of(cls, model, res, tp_group, tp_size, tp_rank, params_total, *, proved) -> "ParallelizeReport":
+        styles = {n: p.style for n, p in res.placements.items()}
+        split = set(styles)
+        replicated = [n for n, m in model.named_modules()
+                      if n and n not in split and any(True for _ in m.parameters(recurse=False))]
+        return cls(family=res.arch, source=res.source, tp_size=tp_size, tp_rank=tp_rank,
+                   notes=list(res.notes), feasibility=res.feasibility, tp_group=tp_group,
+                   params_total=params_total, params_per_rank=sum(p.numel() for p in model.parameters()),
+                   styles=styles, replicated=replicated, whole=dict(res.whole),
+                   grad_sync=[n for n, s in styles.items() if s in ("grad_sync", "param_rank0")],
+                   proved=proved)
+
+    @property
+    def param_fraction(self) -> float:
+        """``params_per_rank / params_total``; ideal ``1 / tp_size``."""
+        return self.params_per_rank / self.params_total if self.params_total else 0.0
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "source": self.source, "tp_size": self.tp_size,
+                "tp_rank": self.tp_rank, "notes": list(self.notes), "styles": dict(self.styles),
+                "replicated": list(self.replicated), "whole": dict(self.whole),
+                "grad_sync": list(self.grad_sync), "proved": self.proved,
+                "params_total": self.params_total, "params_per_rank": self.params_per_rank,
+                "param_fraction": self.param_fraction,
+                "feasibility": None if self.feasibility is None else self.feasibility.to_dict()}
