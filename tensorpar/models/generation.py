@@ -31,13 +31,15 @@ def _check(input_ids, max_new_tokens):
 
 @torch.no_grad()
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
-             return_cache: bool = False):
+             return_cache: bool = False, return_logits: bool = False):
     """``(B, T + n)`` token ids: ``input_ids`` followed by up to ``max_new_tokens`` greedy tokens.
 
     ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
     ``model.tp_report``). Prompts in a batch have the same length (no padding). A sequence
     that has produced ``eos_token_id`` continues with it; generation stops when all have.
-    ``return_cache``: also return the KV cache of this rank.
+    ``return_cache``: also return the KV cache of this rank. ``return_logits``: also return the
+    logits each step chose from, ``[(B, V), ...]``, one per generated token (what a comparison of
+    two models must look at: tiny random models often repeat one token whatever happens).
     """
     _check(input_ids, max_new_tokens)
     report = getattr(model, "tp_report", None)
@@ -45,9 +47,12 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
     kwarg, cache, ids = _cache_kwarg(model), None, input_ids
     step = input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    steps = []
     for _ in range(max_new_tokens):
         out = model(input_ids=step, use_cache=True, **{kwarg: cache})
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        if return_logits:
+            steps.append(out.logits[:, -1, :].clone())  # (B, V)
         nxt = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
         if sharded:  # tp_group None is the world group: it broadcasts too
             dist.broadcast(nxt, src=0, group=report.tp_group)
@@ -58,4 +63,5 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
         ids = torch.cat([ids, step], dim=1)
         if eos_token_id is not None and bool(done.all()):
             break
-    return (ids, cache) if return_cache else ids
+    extra = (cache,) * return_cache + (steps,) * return_logits
+    return (ids, *extra) if extra else ids

@@ -13,13 +13,13 @@ from tensorpar.nn.cross_entropy import vocab_parallel_cross_entropy
 from tensorpar.nn.dense import MLP, Attention
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.mlp import ParallelMLP
-from tensorpar.nn.norm import SequenceParallelNorm
+from tensorpar.nn.norm import SequenceParallelNorm, ShardedRMSNorm
 from tensorpar.nn.partition import valid_attention_tp_sizes, valid_tp_sizes
 from tensorpar.nn.random import ParallelDropout, RNGStatesTracker, model_parallel_seed
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
     "vocab_parallel_cross_entropy", "ParallelMLP", "ParallelAttention", "ReplicatedHeadLinear",
-    "SequenceParallelNorm", "ParallelDropout", "RNGStatesTracker", "model_parallel_seed",
+    "SequenceParallelNorm", "ShardedRMSNorm", "ParallelDropout", "RNGStatesTracker", "model_parallel_seed",
     "KVCache", "MLP", "Attention", "valid_tp_sizes", "valid_attention_tp_sizes",
 ]

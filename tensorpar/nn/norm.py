@@ -71,3 +71,49 @@ class SequenceParallelNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.hidden_size}, eps={self.eps}, tp_size={self.tp_size}"
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a dimension that is split over the ranks (OLMo-2 normalises all query heads
+    together, ``q_norm`` over ``n_heads * head_dim`` features, after a column split of q).
+
+    ``y = x / sqrt(mean(x^2) + eps) * w`` with the mean over the full dimension ``N``: each rank
+    holds ``x_i`` and ``w_i`` (its features), computes ``s_i = sum(x_i^2)`` per token and the ranks
+    add them, so every rank divides by the same full statistic.
+
+    - forward: one all-reduce of the per-token sums, ``B*T*4`` bytes (float32).
+    - backward: one all-reduce of their gradient: each rank's part of the loss reaches ``s`` only
+      through its own features, and every ``s_i`` moves all of them.
+
+    Like Hugging Face's RMSNorms it computes in float32 and returns the input's dtype.
+    """
+
+    def __init__(self, weight_shard: torch.Tensor, eps: float, full_size: int, *, tp_group=None,
+                 requires_grad: bool = True):
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_info(tp_group)
+        self.tp_group, self.eps, self.full_size = tp_group, eps, full_size
+        self.weight = nn.Parameter(weight_shard.detach().clone(), requires_grad)
+
+    @classmethod
+    def from_dense(cls, norm: nn.Module, pieces: tuple, *, tp_group=None) -> "ShardedRMSNorm":
+        """This rank's features ``pieces`` (``((start, end), ...)``) of an RMSNorm's weight."""
+        eps = getattr(norm, "variance_epsilon", None)
+        eps = getattr(norm, "eps", None) if eps is None else eps
+        if not isinstance(eps, float) or norm.weight.dim() != 1:
+            raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a 1-D weight and an eps "
+                             f"(variance_epsilon or eps); it cannot be split")
+        shard = torch.cat([norm.weight[a:b] for a, b in pieces])
+        return cls(shard, eps, norm.weight.shape[0], tp_group=tp_group, requires_grad=norm.weight.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_last_dim(x, self.weight.shape[0], "normalized features per partition")
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        ss = h.pow(2).sum(-1, keepdim=True)  # (..., 1) this rank's features
+        ss = dist.reduce_from_tp_region(dist.copy_to_tp_region(ss, group=self.tp_group), group=self.tp_group)
+        h = h * torch.rsqrt(ss / self.full_size + self.eps)  # (..., N/p)
+        return (self.weight * h).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]} of {self.full_size}, eps={self.eps}, tp_size={self.tp_size}"

@@ -51,6 +51,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     params_total = sum(p.numel() for p in model.parameters())
     res = R.resolve(model, plan, tp_size, example_inputs)
+    res.layer_params_total = sum(p.numel() for _, b in P.blocks(model) for p in b.parameters())
     _check(model, res, tp_size)
     on_meta = any(p.is_meta for p in model.parameters())
     evidence = None

@@ -156,7 +156,7 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
         if p.style == "moe":
             undo.add(regions.exit_region(module, tp_group).remove)
         if p.style == "attention":
-            _set_heads(module, res, tp_size, undo)
+            _set_heads(module, anchor, res, tp_size, undo)
             if arch is not None and arch.head_inputs:
                 rank = module_rank(tp_group)
                 hook = partial(_slice_head_inputs, layouts=arch.head_inputs, dims=res.dims,
@@ -169,11 +169,37 @@ def module_rank(tp_group) -> int:
     return dist.get_rank(tp_group)
 
 
-def _set_heads(module, res, tp_size, undo) -> None:
+_Q_NAMES, _K_NAMES = ("q_proj", "query", "Wq", "q"), ("k_proj", "key", "Wk", "k")
+
+
+def _heads_of(module, names, head_dim) -> int | None:
+    for n in names:
+        width = getattr(getattr(module, n, None), "out_features", None)
+        if width:
+            return width // head_dim
+    return None
+
+
+def module_heads(module, anchor: str, res) -> tuple[int, int]:
+    """``(query heads, KV heads)`` of one attention module: its own head-count attributes, else
+    its q and k projections' widths over the head dim, else the config's (layers of one model may
+    differ: MiMo's sliding-window layers have twice the KV heads of its global ones)."""
+    d = res.dims
+    counts = {what: getattr(module, attr) for attr, what in registry.HEAD_ATTRS.items()
+              if _is_count(getattr(module, attr, None))}
+    q = counts.get("q") or _heads_of(module, _Q_NAMES, d.head_dim)
+    kv = counts.get("kv") or (q // counts["groups"] if q and counts.get("groups") else None) or (
+        _heads_of(module, _K_NAMES, d.head_dim))
+    q = q or (counts["groups"] * kv if kv and counts.get("groups") else d.n_heads)
+    return q, kv or d.n_kv_heads
+
+
+def _set_heads(module, anchor, res, tp_size, undo) -> None:
     """Per-rank head counts on an attention module (and on its own copy of the config where the
     architecture's attention reads them there)."""
     d = res.dims
-    hq, hkv = d.local_heads(tp_size)
+    q, kv = module_heads(module, anchor, res)
+    hq, hkv = q // tp_size, (kv // tp_size if kv % tp_size == 0 else 1)
     values = {"q": hq, "kv": hkv, "groups": hq // hkv}
     for attr, what in registry.HEAD_ATTRS.items():
         if _is_count(getattr(module, attr, None)):

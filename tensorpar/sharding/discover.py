@@ -39,7 +39,9 @@ def call_model(model: nn.Module, inputs):
     """``model(**inputs)``, ``model(*inputs)`` or ``model(inputs)``; no KV cache for HF models."""
     if isinstance(inputs, dict):
         inputs = dict(inputs)
-        if "use_cache" in inspect.signature(model.forward).parameters:
+        params = inspect.signature(model.forward).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        if "use_cache" in params or (takes_kwargs and hasattr(getattr(model, "config", None), "use_cache")):
             inputs.setdefault("use_cache", False)
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):

@@ -77,7 +77,11 @@ def _status(rule: str, name: str, value: int, tp: int, what: str) -> Constraint:
     if rule == "kv":
         return Constraint(name, value, "fails", f"tp_size ({tp}) must divide n_kv_heads ({value}) or be a "
                           f"multiple of it", rule)
-    return Constraint(name, value, "fails", f"tp_size ({tp}) must divide {name} ({value})", rule)
+    label = _LABELS.get(name, name)
+    return Constraint(name, value, "fails", f"tp_size ({tp}) must divide {label} ({value})", rule)
+
+
+_LABELS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "the MLP width ffn"}
 
 
 @dataclass(frozen=True)
@@ -90,16 +94,19 @@ class Size:
 
 
 def head_sizes(dims: Dims) -> list[Size]:
-    return [Size("n_heads", dims.n_heads, "divide", "query heads"),
-            Size("n_kv_heads", dims.n_kv_heads, "kv", "KV heads")]
+    return [Size("heads", dims.n_heads, "divide", "query heads"),
+            Size("kv_heads", dims.n_kv_heads, "kv", "KV heads")]
+
+
+def hidden_size(dims: Dims) -> Size:
+    return Size("hidden", dims.hidden, "whole", f"activations between blocks stay whole; attention "
+                f"width {dims.n_heads * dims.head_dim} splits by heads")
 
 
 def model_sizes(dims: Dims, *, heads: bool = True) -> list[Size]:
     """The sizes of a standard decoder split: heads, KV heads, ffn, vocabulary, hidden."""
     return [*(head_sizes(dims) if heads else []), Size("ffn", dims.ffn, "divide", "MLP columns"),
-            Size("vocab", dims.vocab, "pad", "vocabulary rows"),
-            Size("hidden", dims.hidden, "whole", f"activations between blocks stay whole; attention "
-                 f"width {dims.n_heads * dims.head_dim} splits by heads")]
+            Size("vocab", dims.vocab, "pad", "vocabulary rows"), hidden_size(dims)]
 
 
 def generic(name: str) -> str:

@@ -136,6 +136,7 @@ class Resolution:
     head_config: tuple = ()
     experts: list = field(default_factory=list)  # mixture-of-experts modules whose parameters split
     feasibility: object = None  # the FeasibilityReport of the plan at this tp
+    layer_params_total: int = 0  # parameters of the transformer blocks before the split
 
     def styles(self) -> dict:
         return {n: p.style for n, p in self.placements.items()}

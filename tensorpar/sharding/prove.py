@@ -32,6 +32,7 @@ from tensorpar.sharding.spec import ShardSpec
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 12
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")
 ALL_BLOCKS_BELOW = 200_000_000  # parameters: below, every block is proved; above, one per kind
 
 
@@ -105,8 +106,10 @@ def _clone(x):
 
 
 class _Precision(torch.overrides.TorchFunctionMode):
-    """Records the floating dtypes every torch function returns: a float64 model whose router
-    runs its softmax in float32 is exact to float32's rounding, not float64's."""
+    """Records the floating dtypes of the results that gradients flow through: a float64 model
+    whose router runs its softmax in float32 is exact to float32's rounding, not float64's. A
+    float32 computation on constants (rotary cos/sin from positions) is the same in the split
+    model and the dense one and does not count."""
 
     def __init__(self):
         super().__init__()
@@ -115,7 +118,7 @@ class _Precision(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
                 self.dtypes.add(t.dtype)
         return out
 
@@ -203,6 +206,7 @@ class Evidence:
         captured, hooks = {}, []
         for bname, block in blist:
             def keep(module, args, kwargs, bname=bname):
+                kwargs = {k: None if k in _CACHES else v for k, v in kwargs.items()}  # blocks run uncached
                 captured.setdefault(bname, (_clone(args), _clone(kwargs)))
             hooks.append(block.register_forward_pre_hook(keep, with_kwargs=True))
         try:
@@ -241,6 +245,7 @@ class Evidence:
                     run = _block_run(blist[bname], bname, *self.block_inputs[bname], seed=100 + order.index(bname))
             except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # same shapes on every rank
                 errors[bname], errors[bname + " <raised>"] = float("inf"), f"{type(exc).__name__}: {exc}"
+                errors[bname + " <where>"] = _raised_in(exc, model, res)
                 continue
             errors[bname] = max(_rel(run.out, dense.out), _rel(run.input_grad, dense.input_grad),
                                 _param_error(run.grads, dense.grads, specs))
@@ -253,7 +258,7 @@ class Evidence:
                 errors["<outside the blocks>"] = _param_error(_grads(model, ""), self.top_grads, specs)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             errors["<output>"], errors["<output> <raised>"] = float("inf"), f"{type(exc).__name__}: {exc}"
-        names = sorted(k for k in errors if not k.endswith((" <params>", " <raised>")))
+        names = sorted(k for k in errors if not k.endswith((" <params>", " <raised>", " <where>")))
         worst = torch.tensor([errors[k] for k in names], dtype=torch.float64)
         if dist.get_world_size(tp_group) > 1:
             dist.all_reduce(worst, tp_group, op="max")
@@ -264,7 +269,7 @@ class Evidence:
             if err <= tol or (blocks_failed and key.startswith("<")):  # a block's error reaches the output
                 continue
             failed.update(_blame(model, res, key, err, tol, errors.get(key + " <params>"),
-                                 errors.get(key + " <raised>")))
+                                 errors.get(key + " <raised>"), errors.get(key + " <where>")))
         return failed
 
 
@@ -334,7 +339,25 @@ def _worst_params(split, dense, specs) -> list:
     return sorted(_param_errors(split, dense, specs).items(), key=lambda kv: -kv[1])
 
 
-def _blame(model, res, key, err, tol, params, raised=None) -> dict:
+def _raised_in(exc, model, res) -> str | None:
+    """The unit whose module raised ``exc``: the innermost frame of its traceback that runs a module
+    under a placement of the plan."""
+    names = {id(m): n for n, m in model.named_modules()}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        module = tb.tb_frame.f_locals.get("self")
+        name = names.get(id(module)) if isinstance(module, nn.Module) else None
+        if name is not None and any(name == p or name.startswith(p + ".") or p.startswith(name + ".")
+                                    for p in res.placements):
+            found = name
+        tb = tb.tb_next
+    if found is None:
+        return None
+    owners = [p for p in res.placements if found == p or found.startswith(p + ".")]
+    return unit_root(max(owners, key=len), res.placements) if owners else None
+
+
+def _blame(model, res, key, err, tol, params, raised=None, where=None) -> dict:
     """The blocks to leave whole for a failed check, by generic name (every layer of the kind)."""
     why = (f"the split raised {raised[:200]}" if raised else
            f"split differs from the dense model by {err:.1e} (relative; limit {tol:.0e})")
@@ -342,6 +365,8 @@ def _blame(model, res, key, err, tol, params, raised=None) -> dict:
         outside = [n for n in res.placements if not any(n.startswith(b + ".") for b, _ in blocks(model))]
         roots = {unit_root(n, res.placements) for n in outside}
         return {generic(r): f"{why} {key}" for r in roots} or {"<model>": why}
+    if raised and where is not None:
+        return {generic(where): f"{why} in {key}"}
     bad = [n for n, e in (params or []) if e > tol]
     regs = regions(res.placements)
     roots = set()

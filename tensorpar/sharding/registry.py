@@ -135,7 +135,8 @@ def _pair(col: str, row: str, region: str | None = None) -> dict:
 # encoder states and stays whole.
 _BART_DECODER = {"decoder.embed_tokens": "vocab",
                  **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
-                 **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head"}
+                 **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head",
+                 "output_projection": "vocab_head", "proj_out": "vocab_head"}
 _OPT = {"decoder.embed_tokens": "vocab",
         **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
         **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head"}
@@ -167,6 +168,22 @@ def _bigcode(config) -> tuple[dict, dict]:
     return plan, {}
 
 
+def _llama_layers(attention="self_attn", mlp="mlp", o="o_proj", gate="gate_proj", up="up_proj",
+                  down="down_proj") -> dict:
+    """The attention and MLP splits of a Llama-style layer (regions derived from the row splits)."""
+    a, m = f"layers.*.{attention}", f"layers.*.{mlp}"
+    return {f"{a}.q_proj": "colwise", f"{a}.k_proj": "colwise", f"{a}.v_proj": "colwise", f"{a}.{o}": "rowwise",
+            f"{m}.{gate}": "colwise", f"{m}.{up}": "colwise", f"{m}.{down}": "rowwise"}
+
+
+# OLMo-2 and its kin normalise q and k over all heads at once; their declarations gather q, k and v
+# and run attention on every head on every rank. Split by heads instead, the norms' statistic
+# summed over the ranks (ShardedRMSNorm): attention runs sharded.
+_QK_NORM_SHARDED = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+                    "layers.*.self_attn.q_norm": "norm_sharded", "layers.*.self_attn.k_norm": "norm_sharded"}
+
+
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", units=_DECODER_UNITS),
     Arch("mistral", units=_DECODER_UNITS),
@@ -178,6 +195,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("bart", _BART_DECODER), Arch("mbart", _BART_DECODER), Arch("marian", _BART_DECODER),
     Arch("pegasus", _BART_DECODER), Arch("plbart", _BART_DECODER), Arch("blenderbot", _BART_DECODER),
     Arch("blenderbot-small", _BART_DECODER), Arch("bigbird_pegasus", _BART_DECODER),
+    Arch("trocr", _BART_DECODER, head_attrs=("embed_dim",)), Arch("whisper", _BART_DECODER),
+    Arch("mvp", _BART_DECODER),
+    Arch("openai-gpt", {**_GPT2, "tokens_embed": "vocab"}, head_attrs=("split_size",)),
     Arch("biogpt", _FAIRSEQ), Arch("xglm", _FAIRSEQ),
     Arch("bloom", {"word_embeddings": "vocab", **_NEOX_STYLE, "lm_head": "vocab_head"},
          head_inputs={"alibi": "batch*heads"}),
@@ -195,6 +215,24 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          head_attrs=("hidden_size",)),
     Arch("gpt_bigcode", lambda c: _bigcode(c)[0], segments=lambda c: _bigcode(c)[1],
          head_attrs=("embed_dim", "kv_dim", "split_size")),
+    # Declarations that name the embedding only: the layers split as Llama's.
+    Arch("hunyuan_v1_dense", overrides=_llama_layers()),
+    Arch("lfm2", overrides=_llama_layers(o="out_proj", mlp="feed_forward", gate="w1", up="w3", down="w2")),
+    Arch("lfm3", overrides=_llama_layers(o="out_proj", mlp="feed_forward", gate="w1", up="w3", down="w2")),
+    # GPT-OSS declares the embedding only: attention by heads with the per-head sinks split alike,
+    # experts (interleaved gate/up, stored transposed) along their width, the down bias added once.
+    Arch("gpt_oss", overrides={**{k: v for k, v in _llama_layers().items() if ".mlp." not in k},
+                               "layers.*.self_attn.sinks": "param_heads", "layers.*.mlp": "moe",
+                               "layers.*.mlp.experts.gate_up_proj": "param_packed_rowwise",
+                               "layers.*.mlp.experts.gate_up_proj_bias": "param_packed_colwise",
+                               "layers.*.mlp.experts.down_proj": "param_colwise",
+                               "layers.*.mlp.experts.down_proj_bias": "param_rank0"}),
+    *(Arch(name, overrides=_QK_NORM_SHARDED) for name in ("olmo2", "olmo3", "olmo_hybrid", "flex_olmo",
+                                                           "minimax_m2", "olmoe")),
+    # BitNet normalises the attention output over all heads and the MLP's inner activation over
+    # the whole width, between the column and the row splits: both norms split with them.
+    Arch("bitnet", overrides={**_llama_layers(), "layers.*.self_attn.attn_sub_norm": "norm_sharded",
+                              "layers.*.mlp.ffn_sub_norm": "norm_sharded"}),
     # Phi-3 declares qkv_proj and gate_up_proj gathered (every rank then computes every head);
     # split per segment, attention runs on this rank's heads.
     Arch("phi3", overrides={"layers.*.self_attn": "attention", "layers.*.self_attn.qkv_proj": "fused_colwise",

@@ -29,6 +29,9 @@ class ParallelizeReport:
     whole: dict = field(default_factory=dict)
     grad_sync: list = field(default_factory=list)
     proved: bool | str = False
+    layer_params_total: int = 0  # parameters of the transformer blocks, unsplit
+    layer_params_per_rank: int = 0
+    layers_replicated: list = field(default_factory=list)  # [(module, params)] left whole in the blocks
 
     @classmethod
     def of(cls, model, res, tp_group, tp_size, tp_rank, params_total, *, proved) -> "ParallelizeReport":
@@ -36,12 +39,32 @@ class ParallelizeReport:
         split = set(styles)
         replicated = [n for n, m in model.named_modules()
                       if n and n not in split and any(True for _ in m.parameters(recurse=False))]
+        from tensorpar.sharding.prove import blocks
+        blist = blocks(model)
+        in_blocks = [(n, m) for b, blk in blist for n, m in blk.named_modules(prefix=b)]
+        layer_now = sum(p.numel() for _, blk in blist for p in blk.parameters())
+        whole_layers = sorted(((n, sum(p.numel() for p in m.parameters(recurse=False)))
+                               for n, m in in_blocks if n in set(replicated)), key=lambda x: -x[1])
         return cls(family=res.arch, source=res.source, tp_size=tp_size, tp_rank=tp_rank,
                    notes=list(res.notes), feasibility=res.feasibility, tp_group=tp_group,
                    params_total=params_total, params_per_rank=sum(p.numel() for p in model.parameters()),
                    styles=styles, replicated=replicated, whole=dict(res.whole),
                    grad_sync=[n for n, s in styles.items() if s in ("grad_sync", "param_rank0")],
-                   proved=proved)
+                   proved=proved, layer_params_total=res.layer_params_total, layer_params_per_rank=layer_now,
+                   layers_replicated=whole_layers)
+
+    @property
+    def layer_share(self) -> float:
+        """This rank's share of the transformer blocks' parameters (ideal ``1 / tp_size``)."""
+        return self.layer_params_per_rank / self.layer_params_total if self.layer_params_total else 1.0
+
+    @property
+    def status(self) -> str:
+        """``"split"`` when no block was left whole and each rank holds at most ``1/tp + 0.1`` of the
+        blocks' parameters; else ``"partly whole"`` (``whole`` and ``layers_replicated`` say what)."""
+        if self.tp_size == 1:
+            return "whole"
+        return "split" if not self.whole and self.layer_share <= 1 / self.tp_size + 0.1 else "partly whole"
 
     @property
     def param_fraction(self) -> float:
@@ -52,7 +75,8 @@ class ParallelizeReport:
         return {"family": self.family, "source": self.source, "tp_size": self.tp_size,
                 "tp_rank": self.tp_rank, "notes": list(self.notes), "styles": dict(self.styles),
                 "replicated": list(self.replicated), "whole": dict(self.whole),
-                "grad_sync": list(self.grad_sync), "proved": self.proved,
+                "grad_sync": list(self.grad_sync), "proved": self.proved, "status": self.status,
+                "layer_share": self.layer_share, "layers_replicated": [list(x) for x in self.layers_replicated],
                 "params_total": self.params_total, "params_per_rank": self.params_per_rank,
                 "param_fraction": self.param_fraction,
                 "feasibility": None if self.feasibility is None else self.feasibility.to_dict()}

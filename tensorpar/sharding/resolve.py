@@ -94,6 +94,8 @@ def choose(model, plan) -> tuple[str, dict, dict, dict]:
         return "declared", dict(tp_plan), _full(model, arch.overrides if arch else {}), segments
     if plan == "declared":
         raise ValueError(f"{type(model).__name__} declares no tensor-parallel plan (model.tp_plan is empty)")
+    if arch is not None and arch.overrides:  # the registry's entries complete a declaration there is none of
+        return "tensorpar", _of_config(arch.overrides, model), {}, segments
     return "discovered", {}, {}, segments
 
 
@@ -189,27 +191,32 @@ def _is_attention(module) -> bool:
     return "attention" in cls or "attn" in cls
 
 
+def _is_experts(module) -> bool:
+    """A fused mixture-of-experts module: it holds its experts' weights as 3-D parameters."""
+    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
 def derive_regions(model, placements: dict) -> dict:
-    """Add a region for each row split's parent (nested ones merged into the outermost)."""
+    """Add a region for each row split's parent (a fused experts module's parent for its split
+    parameters); regions nested in another region, derived or placed, join the outer one."""
     experts = {n for n, p in placements.items() if p.style == EXPERTS}
+    placed = {n for n, p in placements.items() if p.style in STYLES and STYLES[p.style].kind == "region"}
     anchors = set()
     for name, p in placements.items():
-        kind = STYLES[p.style].kind if p.style in STYLES else None
-        if kind == "row" and p.style == "rowwise":
+        if p.style == "rowwise":
             anchors.add(parent_name(name))
-        elif p.style in ("param_rowwise", "param_packed_rowwise"):
+        elif p.style.startswith("param_") and p.style not in ("param_rank0", "param_heads"):
             owner = parent_name(name)
-            anchors.add(parent_name(owner) if owner in experts else owner)
-    outer = {a for a in anchors if not any(_under(a, b) for b in anchors if b != a)}
+            fused = owner in experts or _is_experts(model.get_submodule(owner))
+            anchors.add(parent_name(owner) if fused else owner)
+    everything = anchors | placed
+    outer = {a for a in anchors if a not in placed and not any(_under(a, b) for b in everything if b != a)}
     out = dict(placements)
     for anchor in sorted(outer):
-        if anchor in out and STYLES.get(out[anchor].style, None) and STYLES[out[anchor].style].kind == "region":
-            continue
         module = model.get_submodule(anchor) if anchor else model
-        if any(_under(e, anchor) for e in experts):
-            style = "moe"
-        else:
-            style = "attention" if _is_attention(module) else "mlp"
+        fused = any(_under(e, anchor) for e in experts) or any(
+            _is_experts(m) for m in module.modules())
+        style = "moe" if fused else ("attention" if _is_attention(module) else "mlp")
         out[anchor] = Placement(anchor, style, "region of its row split's parent")
     return out
 
@@ -279,7 +286,7 @@ def mark_moe_mlps(model, placements: dict) -> dict:
 def _split_names(placements: dict) -> set:
     """Modules replaced by a split and parameters split in place."""
     return {n for n, p in placements.items() if p.style in STYLES and STYLES[p.style].kind in
-            ("column", "row", "vocab")} | {n for n, p in placements.items() if p.style.startswith("param_")}
+            ("column", "row", "vocab", "norm")} | {n for n, p in placements.items() if p.style.startswith("param_")}
 
 
 def mark_grad_sync(model, placements: dict) -> dict:
@@ -345,8 +352,10 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
     placements, unused = expand(model, entries, segments, source=source)
     if source == "user" and unused:
         raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}")
-    if source == "declared":
+    if source == "declared" or (source == "tensorpar" and not any(
+            STYLES.get(p.style) and STYLES[p.style].kind == "region" for p in placements.values())):
         placements = derive_regions(model, placements)
+    if source == "declared":
         res.whole.update(untranslated_blocks(model, bad))
     if source != "user":
         placements = mark_moe_mlps(model, placements)
@@ -401,17 +410,24 @@ def plan_sizes(model_or_config, tp_size: int) -> list:
 
 def sizes_of(model, res: Resolution) -> list:
     """Every size ``res`` splits: the head counts (attention regions), each split dimension."""
-    from tensorpar.sharding.feasibility import Size, generic, head_sizes
+    from tensorpar.sharding.feasibility import Size, generic, head_sizes, hidden_size
     sizes, seen = [], set()
     regs = regions(res.placements)
-    if res.dims is not None and any(p.style == "attention" for p in regs.values()):
-        sizes += head_sizes(res.dims)
+    d = res.dims
+    if d is not None and any(p.style == "attention" for p in regs.values()):
+        sizes += head_sizes(d)
     for name, p in res.placements.items():
-        for size in _split_sizes(model, name, p, regs, res.dims):
-            key = (generic(size.name), size.value, size.rule)
-            if key not in seen:
-                seen.add(key)
-                sizes.append(Size(generic(size.name), size.value, size.rule, size.what))
+        for size in _split_sizes(model, name, p, regs, d):
+            label = generic(size.name)
+            if d is not None and size.rule == "divide" and size.value == d.ffn:
+                label = "ffn"  # the MLP width, by its usual name
+            elif d is not None and size.rule == "pad" and size.value == d.vocab:
+                label = "vocab"
+            if label not in seen:
+                seen.add(label)
+                sizes.append(Size(label, size.value, size.rule, size.what))
+    if d is not None:
+        sizes.append(hidden_size(d))
     return sizes
 
 

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
+                          VocabParallelEmbedding)
 from tensorpar.nn.layers import vocab_parallel_like
 from tensorpar.nn.regions import sync_rows_grad
 from tensorpar.sharding import registry
@@ -300,33 +301,48 @@ def _split_dim(owner, attr, dim, ctx, name, widths=None):
     return _param_shard(owner, attr, dim, segment_pieces(tuple(widths), ctx.tp_rank, ctx.tp_size))
 
 
+# Parameter styles name the dim they split by storage, as transformers' declarations do: ``colwise``
+# the second to last (``(E, out, in)``: the output), ``rowwise`` the last (the input; for a weight
+# stored transposed, ``is_transposed``, the output), a 1-D or 2-D bias its last.
+
+def _colwise_dim(p) -> int:
+    return -2 if p.dim() >= 3 else -1
+
+
+def _halves(owner, p, dim):
+    """``[gate | up]`` halves of a fused width, or None when the pairs are interleaved
+    (``is_concatenated=False``: a contiguous block keeps each pair together)."""
+    return (p.shape[dim] // 2,) * 2 if getattr(owner, "is_concatenated", True) else None
+
+
 def param_colwise(owner, ctx, name):
-    """A 3-D expert weight ``(E, out, in)`` split along out (a 2-D bias ``(E, out)``: its last dim)."""
+    """A fused expert weight ``(E, out, in)`` split along out (a bias ``(E, out)`` along its last dim)."""
     attr = _param_attr(name)
-    p = getattr(owner, attr)
-    return _split_dim(owner, attr, -2 if p.dim() >= 3 else -1, ctx, name)
+    return _split_dim(owner, attr, _colwise_dim(getattr(owner, attr)), ctx, name)
 
 
 def param_rowwise(owner, ctx, name):
-    """A 3-D expert weight ``(E, out, in)`` split along in: partial sums of every expert's output."""
+    """A fused expert weight split along its last dim: ``(E, out, in)`` by input features (partial
+    sums of every expert's output); a transposed ``(E, in, out)`` by output features."""
     attr = _param_attr(name)
     return _split_dim(owner, attr, -1, ctx, name)
 
 
 def param_packed_colwise(owner, ctx, name):
-    """A fused ``[gate | up]`` expert weight ``(E, 2F, H)`` (or bias ``(E, 2F)``): both halves
-    split along F, this rank's gate and up blocks side by side."""
+    """A fused ``[gate | up]`` expert weight ``(E, 2F, H)`` (or bias ``(E, 2F)``) split along F:
+    this rank's gate and up blocks side by side."""
     attr = _param_attr(name)
     p = getattr(owner, attr)
-    dim = -2 if p.dim() >= 3 else -1
-    return _split_dim(owner, attr, dim, ctx, name, widths=(p.shape[dim] // 2,) * 2)
+    dim = _colwise_dim(p)
+    return _split_dim(owner, attr, dim, ctx, name, widths=_halves(owner, p, dim))
 
 
 def param_packed_rowwise(owner, ctx, name):
-    """A fused expert weight stored transposed, ``(E, H, 2F)``: both halves split along F."""
+    """A fused ``[gate | up]`` expert weight stored transposed, ``(E, H, 2F)``: both halves split
+    along F."""
     attr = _param_attr(name)
     p = getattr(owner, attr)
-    return _split_dim(owner, attr, -1, ctx, name, widths=(p.shape[-1] // 2,) * 2)
+    return _split_dim(owner, attr, -1, ctx, name, widths=_halves(owner, p, -1))
 
 
 def param_heads(owner, ctx, name):
@@ -337,6 +353,23 @@ def param_heads(owner, ctx, name):
     if d is None or p.shape[0] != d.n_heads:
         raise ValueError(f"{name!r}: a per-head parameter needs dim 0 of n_heads ({None if d is None else d.n_heads})")
     return _param_shard(owner, attr, 0, even_pieces(p.shape[0], ctx.tp_rank, ctx.tp_size))
+
+
+def norm_sharded(module, ctx, name):
+    """An RMSNorm over features that a column split shards (OLMo-2's ``q_norm`` over all query
+    heads): this rank's features of its weight, the statistic summed over the ranks. The features
+    are the ones of the projection named by the placement's ``of`` option (default: q heads)."""
+    d = ctx.dims
+    width = module.weight.shape[0] if isinstance(getattr(module, "weight", None), torch.Tensor) else None
+    if d is None or width is None:
+        raise ValueError(f"style 'norm_sharded' on {name!r} needs an RMSNorm with a weight and the model's heads")
+    heads = {d.n_heads * d.head_dim: d.n_heads, d.n_kv_heads * d.head_dim: d.n_kv_heads}.get(width)
+    count = heads if heads is not None else width
+    if count % ctx.tp_size:
+        raise ValueError(f"{name!r}: tp_size ({ctx.tp_size}) must divide the {count} heads or features it normalises")
+    pieces = even_pieces(width, ctx.tp_rank, ctx.tp_size)
+    mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group)
+    return Built(mod, {"weight": ShardSpec("", 0, pieces)})
 
 
 def param_rank0(owner, ctx, name):
@@ -372,6 +405,7 @@ STYLES = {s.name: s for s in (
     Style("param_packed_rowwise", "param", param_packed_rowwise, _doc(param_packed_rowwise)),
     Style("param_heads", "param", param_heads, _doc(param_heads), needs_heads=True),
     Style("param_rank0", "param", param_rank0, _doc(param_rank0)),
+    Style("norm_sharded", "norm", norm_sharded, _doc(norm_sharded), needs_heads=True),
     Style("grad_sync", "param", None, "replicated parameter acting on sharded activations: "
           "gradient all-reduced"),
     Style("replicate", "replicate", None, "whole on every rank"),
