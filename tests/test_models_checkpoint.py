@@ -133,11 +133,14 @@ def test_directory_without_config_or_weights(tiny_dirs, tmp_path):
         load_sharded(d)
 
 
-def test_unsupported_model_type(tiny_dirs, tmp_path):
-    d = _copy(tiny_dirs["llama"], tmp_path / "t5")
+def test_unknown_model_type(tiny_dirs, tmp_path):
+    d = _copy(tiny_dirs["llama"], tmp_path / "unknown")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
-    with pytest.raises(ValueError, match="model_type 't5' is not supported; valid: llama, mistral, qwen2, gpt2, bert"):
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama_but_not"}))
+    with pytest.raises(ValueError, match="unknown.: model_type 'llama_but_not' is not known to transformers"):
+        load_sharded(d)
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "model_type"}))
+    with pytest.raises(ValueError, match="model_type None is not known to transformers"):
         load_sharded(d)
 
 

@@ -1,22 +1,32 @@
 """Load a safetensors checkpoint straight into this rank's shards, never the full model.
 
 1. check the directory (``config.json``, ``model.safetensors`` or a sharded index) and the
-   model type (a known family);
-2. build the model on the meta device (no parameter memory), check every tensor it needs is in
-   the checkpoint with the right shape, and ``parallelize`` it there: the plan, feasibility
-   checks and all module swaps happen before a byte of weight is read;
-3. read each parameter's :class:`~tensorpar.models.styles.ShardSpec` pieces with
-   ``safe_open(...).get_slice(key)[index]``: only this rank's rows or columns are copied.
+   model type (any transformers knows);
+2. build the model on the meta device (no parameter memory) and map every tensor it needs to
+   the checkpoint tensors it is made of, through transformers' own conversion mapping
+   (:mod:`tensorpar.models.conversion`: renamed keys; Mixtral's per-expert ``w1``/``w3`` stacked
+   and concatenated into ``experts.gate_up_proj``); check each is there, stored as a float, with
+   the shape the config gives; then ``parallelize`` the meta model (proved on a small replica of
+   the config): the plan, feasibility checks and all module swaps happen before a byte of
+   weight is read;
+3. read each parameter's :class:`~tensorpar.sharding.spec.ShardSpec` pieces: a plain tensor
+   with ``safe_open(...).get_slice(key)[index]``, a converted one through its op chain, so only
+   this rank's rows or columns of each checkpoint tensor are copied. A converter whose ops
+   cannot be sliced through is read whole, converted by its own ops, then cut; the
+   :class:`LoadReport` names those tensors and the extra bytes.
 
-Each tensor's file is memory-mapped only while that tensor is read, and each block is copied
-once, straight into the (padded, transposed) shard. The :class:`LoadReport` compares, with the
-bytes of this rank's shard: the growth of private resident memory (the shard itself) and of
-peak resident memory (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), which also
-counts the file pages mapped for the tensor being read: at most one tensor's slices, or the
-whole tensor for a column slice of a matrix whose rows are shorter than a page.
+The files a tensor is read from are memory-mapped only while that tensor is read, and each
+block is copied into the (padded, transposed) shard: once for a plain tensor, twice for a
+converted one (stacked or concatenated first). The :class:`LoadReport` compares, with the bytes
+of this rank's shard: the growth of private resident memory (the shard itself) and of peak
+resident memory (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), which also counts
+the file pages mapped for the tensor being read: at most its slices of the checkpoint tensors
+it is made of (whole tensors for a column slice of a matrix whose rows are shorter than a page,
+and for a tensor read whole).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tensorpar.sharding.registry import FAMILIES
+from tensorpar.models.conversion import map_checkpoint
 from tensorpar.sharding.spec import ShardSpec
 
 
@@ -36,10 +46,13 @@ class LoadReport:
     tp_rank: int
     checkpoint_bytes: int  # every tensor in the checkpoint
     shard_bytes: int  # this rank's parameters and buffers after loading
-    bytes_read: int  # bytes of the slices copied out of the checkpoint
+    bytes_read: int  # bytes copied out of the checkpoint (slices, and tensors read whole)
     peak_rss_delta_bytes: int | None  # peak resident-memory growth while reading (None: not Linux)
     anon_rss_delta_bytes: int | None  # growth of private (non-file) resident memory
     unexpected_keys: list = field(default_factory=list)
+    converted: dict = field(default_factory=dict)  # model tensor -> the converter ops that built it
+    read_whole: list = field(default_factory=list)  # converted tensors whose sources were read whole
+    extra_bytes_read: int = 0  # bytes read beyond this rank's slices (the read_whole tensors)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,27 +61,33 @@ class LoadReport:
 def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=None):
     """``(model, LoadReport)``: the checkpoint in ``path`` parallelized over ``tp_group``.
 
-    ``dtype``: of the loaded parameters (default: ``config.dtype``, else float32).
-    ``model_class``: a transformers class (default: ``config.architectures[0]``).
+    ``plan``: as for :func:`~tensorpar.sharding.apply.parallelize`. ``dtype``: of the loaded
+    parameters (default: ``config.dtype``, else float32). ``model_class``: a transformers class
+    (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
     """
     from tensorpar.sharding.apply import parallelize
+    from tensorpar.sharding.resolve import meta_model
 
     path = Path(path)
     files, config = _check_dir(path), _read_config(path)
     dtype = _pick_dtype(dtype, config)
     meta = _tensor_index(files)
-    model = _meta_model(config, model_class)
-    rename = _check_tensors(model, meta, path)
+    with _default_dtype(dtype):  # as from_pretrained builds it: tensors a module does not fix take dtype
+        model = meta_model(config, model_class)
+    sources, unexpected = map_checkpoint(model, {k: m[1] for k, m in meta.items()})
+    source_of = _check_tensors(model, sources, meta, path)
+    dtypes = _dtypes(model, dtype)
     parallelize(model, plan, tp_group=tp_group)
     memory = _Memory()
-    bytes_read = _materialize(model, meta, rename, dtype)
+    reads = _materialize(model, source_of, meta, dtypes)
     peak_delta, anon_delta = memory.deltas()
-    unexpected = sorted(set(meta) - _needed_keys(model, rename))
     rep = model.tp_report
     shard = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     total = sum(m[3] for m in meta.values())
+    converted = {s.target: s.ops for s in {id(s): s for s in source_of.values()}.values() if s.ops}
     return model, LoadReport(str(path), rep.family, rep.tp_size, rep.tp_rank, total, shard,
-                             bytes_read, peak_delta, anon_delta, unexpected)
+                             reads.bytes, peak_delta, anon_delta, unexpected, converted,
+                             reads.whole, reads.extra)
 
 
 # ---- the directory -----------------------------------------------------------------------------
@@ -114,11 +133,14 @@ def _read_json(path: Path):
 
 
 def _read_config(path: Path):
-    kind = _read_json(path / "config.json").get("model_type")
-    if kind not in FAMILIES:
-        raise ValueError(f"checkpoint {str(path)!r}: model_type {kind!r} is not supported; valid: "
-                         f"{', '.join(FAMILIES)}")
-    from transformers import AutoConfig
+    from transformers import AutoConfig, __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    data = _read_json(path / "config.json")
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if kind not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"checkpoint {str(path)!r}: model_type {kind!r} is not known to transformers "
+                         f"{__version__} (config.json's model_type must name one of its architectures, "
+                         f"e.g. llama, mixtral, gpt2, bert)")
     return AutoConfig.from_pretrained(path)
 
 
@@ -145,10 +167,7 @@ def _file_header(file: Path) -> dict:
             for key in f.keys():
                 sl = f.get_slice(key)
                 shape, kind = tuple(sl.get_shape()), sl.get_dtype()
-                n = 1
-                for d in shape:
-                    n *= d
-                out[key] = (file, shape, kind, n * _DTYPE_BYTES.get(kind, 1))
+                out[key] = (file, shape, kind, _numel(shape) * _DTYPE_BYTES.get(kind, 1))
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from None
     return out
@@ -166,25 +185,6 @@ def _tensor_index(files: dict) -> dict:
     return {k: headers[f][k] for k, f in files.items()}
 
 
-def _meta_model(config, model_class) -> nn.Module:
-    """The model with its parameters on the meta device (buffers real), tied as the config says.
-
-    No ``.to(dtype)``: the parameters are allocated in ``dtype`` when read, and a cast here
-    would also cast float32 buffers such as rotary ``inv_freq`` (which ``from_pretrained``
-    keeps in float32), so a bfloat16 checkpoint would compute another function."""
-    import transformers
-    from accelerate import init_empty_weights
-    if model_class is None:
-        arch = (getattr(config, "architectures", None) or [None])[0]
-        model_class = getattr(transformers, arch, None) if arch else None
-        model_class = model_class or transformers.AutoModel.from_config
-    with init_empty_weights():
-        model = model_class(config) if isinstance(model_class, type) else model_class(config)
-    if getattr(config.get_text_config(), "tie_word_embeddings", False):
-        model.tie_weights()
-    return model.eval()
-
-
 # ---- checking the tensors against the model ------------------------------------------------------
 
 def _groups(model) -> list[list[str]]:
@@ -192,75 +192,79 @@ def _groups(model) -> list[list[str]]:
     by_id = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), (p, []))[1].append(name)
-    buffers = [[n] for n in model.state_dict(keep_vars=True) if n not in
-               {x for _, names in by_id.values() for x in names}]
+    params = {x for _, names in by_id.values() for x in names}
+    buffers = [[n] for n in model.state_dict(keep_vars=True) if n not in params]
     return [names for _, names in by_id.values()] + buffers
 
 
-def _renamer(model, keys: set):
-    """Checkpoint key of a model name (bare-model checkpoints load into head models and back)."""
-    prefix = getattr(model, "base_model_prefix", "") + "."
-
-    def rename(name: str) -> str | None:
-        for cand in (name, name[len(prefix):] if name.startswith(prefix) else None, prefix + name):
-            if cand in keys:
-                return cand
-        return None
-    return rename
-
-
-def _check_tensors(model, meta: dict, path: Path):
-    rename = _renamer(model, set(meta))
+def _check_tensors(model, sources: dict, meta: dict, path: Path) -> dict:
+    """``{model tensor name: Source}`` (every name of a tied group: the group's one source);
+    ValueError for a missing tensor, a non-float storage of a float tensor, or another shape."""
     shapes = dict(model.state_dict(keep_vars=True).items())
-    missing, wrong = [], []
+    source_of, missing, wrong = {}, [], []
     for names in _groups(model):
-        key = next((rename(n) for n in names if rename(n)), None)
-        if key is None:
+        src = next((sources[n] for n in names if n in sources), None)
+        if src is None:
             missing.append(names[0])
             continue
-        file, found, kind, _ = meta[key]
-        if shapes[names[0]].is_floating_point() and kind not in FLOAT_KINDS:
-            raise ValueError(f"{file}: tensor {key!r} is stored as {kind}, not as a float; valid: "
-                             f"{', '.join(FLOAT_KINDS)} (quantized or integer checkpoints are not "
-                             f"supported)")
-        if found != tuple(shapes[names[0]].shape):
-            wrong.append(f"{key}: checkpoint {found}, model {tuple(shapes[names[0]].shape)}")
+        if shapes[names[0]].is_floating_point():
+            _check_float(src, meta)
+        if src.shape != tuple(shapes[names[0]].shape):
+            what = src.keys[0] if not src.ops else f"{src.target} (from {len(src.keys)} tensors by {src.ops})"
+            wrong.append(f"{what}: checkpoint {src.shape}, model {tuple(shapes[names[0]].shape)}")
+        source_of.update({n: src for n in names})
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} is missing {len(missing)} tensors that "
                          f"{type(model).__name__} needs, e.g. {missing[:4]}")
     if wrong:
         raise ValueError(f"checkpoint {str(path)!r} does not match its config.json: {len(wrong)} "
                          f"tensors have other shapes, e.g. {wrong[:3]}")
-    return rename
+    return source_of
 
 
-def _needed_keys(model, rename) -> set:
-    return {rename(n) for names in _groups(model) for n in names if rename(n)}
+def _check_float(src, meta: dict) -> None:
+    for key in src.keys:
+        file, _, kind, _ = meta[key]
+        if kind not in FLOAT_KINDS:
+            raise ValueError(f"{file}: tensor {key!r} is stored as {kind}, not as a float; valid: "
+                             f"{', '.join(FLOAT_KINDS)} (quantized or integer checkpoints are not "
+                             f"supported)")
 
 
 # ---- reading the shards ---------------------------------------------------------------------------
 
-def _read(meta: dict, key: str, spec: ShardSpec, dtype, counter: list) -> torch.Tensor:
-    """This rank's shard of ``key``: the file is mapped only while this one tensor is read, so
-    resident file pages never exceed one tensor's slices."""
-    from safetensors import safe_open
-    with safe_open(str(meta[key][0]), framework="pt") as f:
-        sl = f.get_slice(key)
+@dataclass
+class _Tally:
+    """What was read: all bytes, the converted tensors read whole, and the bytes beyond the slices."""
+    bytes: int = 0
+    whole: list = field(default_factory=list)
+    extra: int = 0
 
-        def get(index):
-            block = sl[index] if index else sl[:]  # a view of the mapped file where possible
-            counter[0] += block.numel() * block.element_size()
-            return block
-        return spec.take(get, dtype)
+    def read(self, src, spec: ShardSpec, dtype, meta: dict) -> torch.Tensor:
+        shard, nbytes, held = src.read(spec, dtype, meta)
+        self.bytes += nbytes
+        if src.whole:
+            self.whole.append(src.target)
+            _, shape, _, total = meta[src.keys[0]]
+            self.extra += nbytes - held * (total // max(1, _numel(shape)))  # beyond held elements
+        return shard
 
 
-def _materialize(model, meta, rename, dtype) -> int:
-    """Replace every meta parameter (and meta persistent buffer) by its shard read from disk."""
-    counter, new_of = [0], {}
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _materialize(model, source_of: dict, meta: dict, dtypes: dict) -> _Tally:
+    """Replace every meta parameter by its shard read from disk, and every persistent buffer by
+    the checkpoint's values."""
+    reads, new_of = _Tally(), {}
     for name, p in model.named_parameters():
         spec = getattr(p, "tp_spec", None) or ShardSpec(name)
-        key = rename(spec.key) or rename(name)
-        new = nn.Parameter(_read(meta, key, spec, dtype, counter), requires_grad=p.requires_grad)
+        key = spec.key if spec.key in source_of else name
+        new = nn.Parameter(reads.read(source_of[key], spec, dtypes[key], meta), requires_grad=p.requires_grad)
         new.tp_replicas, new.tp_spec = p.tp_replicas, spec
         new_of[id(p)] = new
     for mod in model.modules():
@@ -268,11 +272,37 @@ def _materialize(model, meta, rename, dtype) -> int:
             if p is not None and id(p) in new_of:
                 mod._parameters[pname] = new_of[id(p)]
     for name, b in model.named_buffers():
-        if b.is_meta:
-            key = rename(name)
+        if name in source_of:  # persistent
             owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner)._buffers[attr] = _read(meta, key, ShardSpec(key), None, counter)
-    return counter[0]
+            buffer = reads.read(source_of[name], ShardSpec(name), dtypes[name], meta)
+            model.get_submodule(owner)._buffers[attr] = buffer
+    return reads
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _dtypes(model, dtype) -> dict:
+    """``{state-dict name: dtype}`` as transformers loads it: the tensor's own (``dtype``, the
+    default it was built under, unless its module fixes another: DeepSeek-V3's float32 router),
+    float32 where the model's ``keep_in_fp32`` rule asks for it in a half-precision load."""
+    from transformers.core_model_loading import build_glob_alternation
+    out = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items()}
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        alternation, glob_of, _ = build_glob_alternation(list(plan))
+        for name in out:
+            hit = alternation.search(name)
+            if hit:
+                out[name] = plan[glob_of[hit.lastgroup]]
+    return out
 
 
 class _Memory:
