@@ -3,7 +3,7 @@
 Each architecture is built tiny from its transformers config class (float64, one seed on every
 rank), parallelized with ``plan="auto"`` and compared with its unsplit copy on the same token ids:
 
-- the logits, forward;
+- the logits, forward (decoders with cross-attention also given random encoder states);
 - every parameter's gradient of ``<logits, R>`` (R random): a shard against the same slice of the
   dense gradient (``p.tp_spec``), a replicated tensor whole; tied parameters under each name;
 - greedy generation with the KV cache: the logits of every decoding step, fed the same tokens;
@@ -72,8 +72,19 @@ class _Dtypes(torch.overrides.TorchFunctionMode):
         return out
 
 
-def _logits(model, ids):
-    return model(input_ids=ids, use_cache=False).logits
+def _logits(model, ids, encoder=None):
+    extra = {} if encoder is None else {"encoder_hidden_states": encoder}
+    return model(input_ids=ids, use_cache=False, **extra).logits
+
+
+def _encoder_states(model, batch):
+    """Random encoder states for a decoder with cross-attention, so that the comparison runs it."""
+    import inspect
+    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters:
+        return None
+    config = model.config
+    width = getattr(config, "d_model", None) or config.hidden_size
+    return torch.randn((batch, 7, width), generator=torch.Generator().manual_seed(13), dtype=torch.float64)
 
 
 def _rel(a, b) -> float:
@@ -99,6 +110,15 @@ def _grad_error(split, dense) -> tuple[float, str | None]:
         if err > worst:
             worst, where = err, name
     return worst, where
+
+
+def _norm_error(split, dense) -> float:
+    """tensorpar's global gradient norm (each parameter once over the ranks) against torch's on the
+    dense model (max_norm too large to clip: only the norm is compared)."""
+    from tensorpar.models.training import clip_grad_norm_
+    mine = clip_grad_norm_(split, 1e30)
+    want = torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e30)
+    return abs(mine.item() - want.item()) / want.item()
 
 
 def _layer_share(split, dense) -> float:
@@ -140,20 +160,27 @@ def check(arch: str, group) -> dict:
         return {"status": "refused", "why": str(exc)}
     report = split.tp_report
     cot = None
-    out = {}
+    out, enc_grads = {}, {}
+    encoder = _encoder_states(dense, BATCH)
     with _Dtypes() as dtypes:
         for name, model in (("dense", dense), ("split", split)):
-            logits = _logits(model, ids)
+            enc = None if encoder is None else encoder.clone().requires_grad_(True)
+            logits = _logits(model, ids, enc)
             cot = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5),
                               dtype=logits.dtype) if cot is None else cot
             (logits * cot).sum().backward()
             out[name] = logits.detach()
+            enc_grads[name] = None if enc is None else enc.grad
             if name == "dense":
                 precision = min(dtypes.seen, key=lambda d: torch.finfo(d).bits)
     grad, grad_where = _grad_error(split, dense)
+    if encoder is not None:  # the encoder states' gradient: through the cross-attention's own input copy
+        grad = max(grad, _rel(enc_grads["split"], enc_grads["dense"]))
+    norm = _norm_error(split, dense)
     split.zero_grad(set_to_none=True)
     dense.zero_grad(set_to_none=True)
     return {"status": "ran", "logits": _rel(out["split"], out["dense"]), "grad": grad, "grad_where": grad_where,
+            "grad_norm": norm,
             "generation": _generation_error(split, dense, ids[:1, :6]),
             "float64": precision == torch.float64, "share": _layer_share(split, dense),
             "source": report.source, "whole": dict(report.whole), "tp": report.tp_size,

@@ -2,8 +2,8 @@
 gloo ranks, against its unsplit copy (tests/_matrix_workers.py does the work, one launch).
 
 For every architecture and tp size, ``parallelize(model)`` (plan ``"auto"``) either refuses with a
-``ValueError`` or returns a model whose logits, every parameter's gradient and the logits of every
-greedy decoding step equal the dense model's: float64 1e-10 relative where the architecture computes
+``ValueError`` or returns a model whose logits, every parameter's gradient, the global gradient norm
+clipping uses and the logits of every greedy decoding step equal the dense model's: float64 1e-10 relative where the architecture computes
 in float64 throughout (sums of at most a few hundred products reordered by the row-parallel
 partial sums: ~1e-15; a missing reduction, a partial gradient or heads paired wrongly: O(1)),
 float32 1e-5 where it computes part of the forward in float32 (MoE routers' softmax: float32
@@ -56,6 +56,7 @@ def test_split_is_exact_or_refused(arch, tp):
         tol = TOL64 if r["float64"] else TOL32
         assert r["logits"] <= tol, (r["logits"], r)
         assert r["grad"] <= tol, (r["grad"], r["grad_where"])
+        assert r["grad_norm"] <= tol, r["grad_norm"]  # clipping counts every parameter once
         if r["generation"] is not None:
             assert r["generation"] <= tol, r["generation"]
 

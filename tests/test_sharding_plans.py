@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from tensorpar.apply import parallelize
-from tensorpar.models import discover
-from tensorpar.models.feasibility import check_feasibility
 from tensorpar.models.generation import generate
-from tensorpar.models.plans import FAMILY_PLANS, Dims, compile_plan, match_style
-from tensorpar.models.styles import ShardSpec
 from tensorpar.models.testing import make_tiny_config, make_tiny_model
+from tensorpar.sharding import discover, registry
+from tensorpar.sharding.feasibility import check_feasibility
+from tensorpar.sharding.plan import Dims, compile_plan, match_style
+from tensorpar.sharding.spec import ShardSpec
+from tensorpar.sharding.styles import STYLE_NAMES
 from tensorpar.models.training import clip_grad_norm_
 from tensorpar.nn import ColumnParallelLinear
 from tests import _models_checkpoint_workers as C, _models_workers as W
@@ -49,21 +50,30 @@ def test_feasibility_of_sizes():
 def test_feasibility_bad_input():
     with pytest.raises(ValueError, match="tp_size must be a positive integer, got 0"):
         check_feasibility(make_tiny_config("gpt2"), 0)
-    with pytest.raises(ValueError, match="no size constraints known for model type None"):
+    with pytest.raises(ValueError, match="plan='auto' on it needs example_inputs"):
         check_feasibility(nn.Linear(2, 2), 2)
-    with pytest.raises(ValueError, match="family 't5' is not supported"):
-        make_tiny_config("t5")
+    with pytest.raises(ValueError, match="model type 'not_a_model' is not known to transformers"):
+        make_tiny_config("not_a_model")
+
+
+def test_feasibility_comes_from_the_plan_of_any_architecture():
+    """The constraints are the plan's own split sizes: a mixture of experts adds its experts'
+    width, Phi-3's fused qkv its heads, and nothing else is asked of a replicated block."""
+    rep = check_feasibility(make_tiny_config("mixtral"), 3)  # 4 heads, 2 KV heads, experts 128 wide
+    assert "must divide n_heads (4)" in rep.error_message() and rep.valid_tp_sizes == [1, 2, 4]
+    assert check_feasibility(make_tiny_config("phi3"), 4).ok
+    assert check_feasibility(make_tiny_config("gpt_bigcode"), 4).ok  # one KV head: replicated
 
 
 # ---- plans and specs -----------------------------------------------------------------------------
 
 def test_patterns_match_one_component_per_star():
-    plan = compile_plan({"layers.*.mlp": "mlp", "layers.*.mlp.up_proj": "colwise"})
+    plan = compile_plan({"layers.*.mlp": "mlp", "layers.*.mlp.up_proj": "colwise"}, STYLE_NAMES)
     assert match_style(plan, ("layers.0.mlp", None)) == ("layers.*.mlp", "mlp")
     assert match_style(plan, ("model.layers.0.mlp.up_proj", "layers.0.mlp.up_proj"))[1] == "colwise"
     assert match_style(plan, ("layers.0.x.mlp", None)) is None
     with pytest.raises(ValueError, match="style 'diagonal' is not one of colwise"):
-        compile_plan({"a": "diagonal"})
+        compile_plan({"a": "diagonal"}, STYLE_NAMES)
 
 
 def test_shard_spec_pieces_padding_and_transpose():
@@ -87,14 +97,14 @@ def _fails_unchanged(model, match, **kw):
 
 def test_bad_plans_raise_and_leave_the_model_unchanged():
     model = make_tiny_model("llama")
-    _fails_unchanged(model, "plan 'foo' is not supported; valid: 'auto', 'llama'", plan="foo")
+    _fails_unchanged(model, "plan 'foo' is not supported; valid: 'auto', 'declared', an architecture", plan="foo")
     _fails_unchanged(model, "plan 'gpt2' does not fit this model", plan="gpt2")
     _fails_unchanged(model, r"plan patterns \['nope'\] match no module",
                      plan={"layers.*.mlp.up_proj": "colwise", "nope": "rowwise"})
     # the MLP entries build fine; the last fails: none of them must have been applied
     mlp = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
            "layers.*.mlp.down_proj": "rowwise"}
-    _fails_unchanged(model, "needs Embedding but module 'model.norm' is LlamaRMSNorm",
+    _fails_unchanged(model, "needs an nn.Embedding but module 'model.norm' is LlamaRMSNorm",
                      plan={**mlp, "norm": "vocab"})
     _fails_unchanged(model, r"colwise_kv 'model.layers.0.self_attn.k_proj' has no rowwise partner in "
                      r"'model.layers.0.self_attn'.*'layers.\*.self_attn': 'attention' \(plan: 'replicate'\)",
@@ -102,7 +112,7 @@ def test_bad_plans_raise_and_leave_the_model_unchanged():
 
 
 def test_head_styles_need_a_family_and_an_attention_module():
-    _fails_unchanged(nn.Sequential(nn.Linear(4, 4)), "need the head counts of a known family",
+    _fails_unchanged(nn.Sequential(nn.Linear(4, 4)), "need the model's head counts",
                      plan={"0": "colwise_kv"})
     _fails_unchanged(make_tiny_model("gpt2"), r"missing or different: 'h.\*.attn': 'attention'",
                      plan={"h.*.attn.c_attn": "conv1d_qkv", "h.*.attn.c_proj": "conv1d_rowwise"})
@@ -123,7 +133,7 @@ def test_unknown_models():
 
 def test_parallelize_twice_is_an_error():
     model = parallelize(make_tiny_model("gpt2"))  # tp 1: builds without collectives
-    assert model.tp_report.tp_size == 1 and model.tp_report.source == "family"
+    assert model.tp_report.tp_size == 1 and model.tp_report.source == "tensorpar"
     assert model.tp_report.params_per_rank == model.tp_report.params_total
     with pytest.raises(ValueError, match="already parallelized"):
         parallelize(model)
@@ -185,10 +195,18 @@ def test_unknown_models_pair_siblings():
     assert [type(m).__name__ for m in model] == ["ColumnParallelLinear", "ReLU", "RowParallelLinear"]
 
 
-def test_family_plans_pass_their_own_checks():
-    for family in W.FAMILIES:
-        plan = FAMILY_PLANS[family].styles
-        assert parallelize(make_tiny_model(family), plan=dict(plan)).tp_report.source == "user"
+def test_registry_plans_pass_their_own_checks():
+    """Taken as a user's plan, each family plan passes the checks a user's plan must pass."""
+    for name in ("gpt2", "bert"):
+        model = make_tiny_model(name)
+        plan = {k: v for k, v in registry.ARCHS[name].plan.items() if _matches(model, k)}
+        assert parallelize(model, plan=plan).tp_report.source == "user"
+
+
+def _matches(model, pattern) -> bool:
+    from tensorpar.sharding.plan import base_prefix, relative_names
+    rx = compile_plan({pattern: "replicate"}, STYLE_NAMES)
+    return any(match_style(rx, relative_names(n, base_prefix(model))) for n, _ in model.named_modules())
 
 
 def test_closed_form_parameter_count_at_tp_1_is_the_dense_count():
@@ -218,8 +236,8 @@ def test_find_pairs_restores_each_modules_own_mode():
 def test_find_pairs_checks_each_candidate():
     ids = torch.randint(0, C.Toy.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     styles, notes = discover.find_pairs(C.Toy().double(), 2, (ids,))
-    assert styles == {"blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
-                      "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
+    assert styles == {"blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise", "blocks.0.mlp": "mlp",
+                      "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise", "blocks.1.mlp": "mlp"}
     assert any(n.startswith("not paired in extra: extra.fc1 -> extra.fc2 (a shard run failed)") for n in notes)
 
 
@@ -232,6 +250,7 @@ def test_find_pairs_recovers_the_llama_plan():
             attn + "q_proj": "colwise", attn + "k_proj": "colwise", attn + "v_proj": "colwise",
             attn + "o_proj": "rowwise", mlp + "gate_proj": "colwise", mlp + "up_proj": "colwise",
             mlp + "down_proj": "rowwise"}
+        assert styles[attn[:-1]] == styles[mlp[:-1]] == "mlp"  # each block enters the region once
 
 
 # ---- helpers: bad input ---------------------------------------------------------------------------
@@ -256,3 +275,111 @@ def test_a_split_style_on_a_non_linear_module_names_the_type_first():
     # the builders' own rule: a GPT-2 Conv1D takes the conv1d_ styles, not 'colwise'
     _fails_unchanged(make_tiny_model("gpt2"), r"plan style 'colwise' needs a Linear .* is Conv1D",
                      plan={"transformer.h.0.mlp.c_fc": "colwise"})
+
+
+# ---- declared plans, the registry, the resolution of real architectures ------------------------
+
+def test_every_declared_style_is_translated_or_named_as_untranslated():
+    """Nothing a model declares is dropped silently: each of transformers' styles maps to one of
+    tensorpar's or leaves its block whole with a reason."""
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+
+    from tensorpar.sharding import declared
+    for style in ALL_PARALLEL_STYLES:
+        for is_param in (False, True):
+            ours, why = declared.translate(style, is_param)
+            assert (ours in STYLE_NAMES or ours == "experts") != bool(why), (style, is_param, ours, why)
+
+
+def test_registry_entries_name_modules_their_models_have():
+    """A registry plan or override whose patterns match nothing in its own model is stale."""
+    from tensorpar.sharding.resolve import choose, expand, _declared_styles
+    for name in ("gpt2", "bert", "bloom", "falcon", "mpt", "gpt_bigcode", "opt", "phi3", "gpt_oss", "olmo2",
+                 "lfm2", "bitnet", "persimmon", "stablelm", "biogpt", "bart"):
+        model = make_tiny_model(name)
+        source, entries, overrides, segments = choose(model, "auto")
+        if source == "declared":
+            entries, _ = _declared_styles(model, entries, overrides)
+        placements, unused = expand(model, entries, segments, source=source)
+        own = registry.ARCHS[name]
+        mine = set(own.overrides) | (set(own.plan) if isinstance(own.plan, dict) else set())
+        prefix = getattr(model, "base_model_prefix", "") + "."
+        stale = [p for p in unused if p in mine or p[len(prefix):] in mine]
+        assert placements and not [p for p in stale if _matches_nothing_expected(name, p)], (name, stale)
+
+
+def _matches_nothing_expected(name, pattern) -> bool:
+    # shared plans name heads that only some classes have (a BERT plan serves BertLMHeadModel and
+    # RoBERTa's lm_head); an entry matching nothing in its own tiny model is stale otherwise
+    return pattern.split(".")[-1] not in ("decoder", "generator_lm_head", "output_projection", "proj_out",
+                                          "lm_head", "wte", "tokens_embed")
+
+
+def _styles(arch, tp=2, **sizes):
+    from tensorpar.sharding.resolve import resolve
+    return resolve(make_tiny_model(arch, **sizes), "auto", tp).styles()
+
+
+def test_resolution_of_fused_projections_and_mixtures_of_experts():
+    phi3 = _styles("phi3")  # declared gathered; tensorpar splits each fused segment
+    assert phi3["model.layers.0.self_attn.qkv_proj"] == phi3["model.layers.0.mlp.gate_up_proj"] == "fused_colwise"
+    assert phi3["model.layers.0.self_attn"] == "attention" and phi3["model.layers.0.self_attn.o_proj"] == "rowwise"
+    moe = _styles("qwen2_moe")  # the shared expert the declaration does not name splits too
+    layer = "model.layers.0.mlp."
+    assert moe[layer[:-1]] == "moe"
+    assert moe[layer + "experts.gate_up_proj"] == "param_packed_colwise"
+    assert moe[layer + "shared_expert.gate_proj"] == "colwise" and moe[layer + "shared_expert.down_proj"] == "rowwise"
+    assert moe[layer + "gate.weight"] == moe[layer + "shared_expert_gate.weight"] == "grad_sync"
+    oss = _styles("gpt_oss")
+    assert oss["model.layers.0.self_attn.sinks"] == "param_heads"
+    assert oss["model.layers.0.mlp.experts.down_proj_bias"] == "param_rank0"
+    assert oss["model.layers.0.mlp.router.bias"] == "grad_sync"
+
+
+def test_resolution_of_norms_on_split_heads():
+    qwen3 = _styles("qwen3")  # per-head norms replicated, their gradient summed
+    assert qwen3["model.layers.0.self_attn.q_norm.weight"] == qwen3["model.layers.0.self_attn.k_norm.weight"] == "grad_sync"
+    olmo2 = _styles("olmo2")  # a norm over all heads: its statistic summed over the ranks
+    assert olmo2["model.layers.0.self_attn.q_norm"] == "norm_sharded"
+    assert olmo2["model.layers.0.self_attn.q_proj"] == "colwise"  # declared gathered: split instead
+    assert "model.layers.0.mlp.gate_proj" in olmo2 and olmo2["model.layers.0.mlp"] == "mlp"
+
+
+def test_kv_projections_are_marked_for_replication():
+    styles = _styles("llama", tp=4)  # 2 KV heads over 4 ranks
+    assert styles["model.layers.0.self_attn.k_proj"] == styles["model.layers.0.self_attn.v_proj"] == "colwise_kv"
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+
+
+def test_segment_pieces():
+    from tensorpar.sharding.spec import segment_pieces
+    assert segment_pieces((8, 4, 4), 1, 2) == ((4, 8), (10, 12), (14, 16))  # [q_1 | k_1 | v_1]
+    assert segment_pieces((6,), 2, 3) == ((4, 6),)
+
+
+def test_an_embedding_subclass_keeps_its_own_forward():
+    """Gemma scales its embedding inside its own forward; a plain vocabulary-parallel embedding in
+    its place would drop the scale (logits off by 16-73%, seen before this existed)."""
+    model = make_tiny_model("gemma")
+    ids = torch.tensor([[3, 17, 5, 99]])
+    dense = model.model.embed_tokens(ids)
+    parallelize(model)
+    emb = model.model.embed_tokens
+    assert type(emb).__name__ == "VocabParallelGemmaTextScaledWordEmbedding"
+    assert torch.equal(emb(ids), dense) and float(emb.embed_scale) != 1.0
+
+
+def test_undo_restores_every_change_in_place():
+    """A failed proof reverts the commit: the model's children keep their order, attributes
+    their values, and no hook or substitution is left (checked on a commit reverted at once)."""
+    from tensorpar.sharding import apply as A, commit as Cm, resolve as R
+    model = make_tiny_model("qwen3")
+    before = [(n, type(m).__name__) for n, m in model.named_modules()]
+    snap = W._snapshot(model)
+    res = R.resolve(model, "auto", 1)
+    built = A._build(model, res, None, 1, 0)
+    undo = Cm.commit(model, res, built, None, 1)
+    assert any(type(m).__name__ == "ColumnParallelLinear" for m in model.modules())
+    undo.revert()
+    assert [(n, type(m).__name__) for n, m in model.named_modules()] == before
+    assert W.unchanged(model, snap) and not any("_tp_substitutes" in vars(m) for m in model.modules())

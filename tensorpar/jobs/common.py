@@ -33,8 +33,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def open_checkpoint(path) -> Checkpoint:
-    """Check ``path`` is a supported Hugging Face checkpoint directory, without loading weights."""
-    from tensorpar.models.plans import FAMILIES, model_family
+    """Check ``path`` is a Hugging Face checkpoint directory of an architecture transformers knows,
+    without loading weights."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     path = Path(path)
     if not path.exists():
@@ -50,18 +51,13 @@ def open_checkpoint(path) -> Checkpoint:
         config = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
-    family = model_family(_AsConfig(config))
-    if family is None:
-        raise ValueError(f"model type {config.get('model_type')!r} in {cfg_file} is not supported; "
-                         f"valid: {', '.join(FAMILIES)}")
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_file} is not a JSON object (got {type(config).__name__})")
+    family = config.get("model_type")
+    if family not in CONFIG_MAPPING_NAMES:
+        raise ValueError(f"model type {family!r} in {cfg_file} is not known to this transformers; "
+                         f"tensorpar splits the architectures transformers can build")
     return Checkpoint(path, family, config)
-
-
-class _AsConfig:
-    """Attribute view of a config dict, enough for family detection and size checks."""
-
-    def __init__(self, d: dict):
-        self.__dict__.update(d)
 
 
 def quiet_transformers() -> None:
@@ -86,7 +82,7 @@ def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:
     """Raise ValueError naming the valid tp sizes unless ``tp`` fits; return the fixes it needs."""
     from transformers import AutoConfig
 
-    from tensorpar.models.feasibility import check_feasibility
+    from tensorpar.sharding.feasibility import check_feasibility
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be a positive integer, got {tp!r}")
@@ -97,7 +93,13 @@ def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:
 
 
 def is_decoder(ckpt: Checkpoint) -> bool:
-    return ckpt.family != "bert"
+    """A causal LM: its class (``architectures[0]``) is one, or its type has only a causal-LM head."""
+    from transformers.models.auto import modeling_auto as auto
+    arch = (ckpt.config.get("architectures") or [""])[0]
+    causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if arch:
+        return arch in causal or arch.endswith(("ForCausalLM", "LMHeadModel")) and "Masked" not in arch
+    return ckpt.family in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and ckpt.family not in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
 def max_positions(ckpt: Checkpoint) -> int | None:

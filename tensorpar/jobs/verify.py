@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, open_checkpoint,
-                                   parse_dtype, quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder,
+                                   open_checkpoint, parse_dtype, quiet_transformers)
 
 
 @dataclass
@@ -90,13 +90,14 @@ def verify(model_dir, tp_sizes, *, dtype: str = "float32", batch: int = 2, seq: 
     checks = []
     for tp in tp_sizes:
         spec = {"path": str(ckpt.path), "dtype": dtype, "batch": batch, "seq": seq,
-                "family": ckpt.family, "inject_fault": inject_fault}
+                "decoder": is_decoder(ckpt), "inject_fault": inject_fault}
         checks.append(dist.launch(verify_worker, tp, spec, backend=dist.resolve_backend(backend, tp))[0])
     return VerifyReport(str(ckpt.path), ckpt.family, dtype, batch, seq, checks)
 
 
 def _n_layers(config: dict) -> int:
-    return config.get("num_hidden_layers") or config.get("n_layer") or 0
+    return (config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
+            or config.get("decoder_layers") or 0)
 
 
 # ---- on every rank ---------------------------------------------------------------------------
@@ -113,8 +114,8 @@ def verify_worker(spec: dict):
     if spec["inject_fault"] is not None and dist.get_rank() == dist.get_world_size() - 1:
         _corrupt(_blocks(split)[spec["inject_fault"]], tol)
     inputs = _inputs(split.config, spec)
-    s_acts, s_loss = _forward_backward(split, inputs, spec["family"])
-    d_acts, d_loss = _forward_backward(dense, inputs, spec["family"])
+    s_acts, s_loss = _forward_backward(split, inputs, spec["decoder"])
+    d_acts, d_loss = _forward_backward(dense, inputs, spec["decoder"])
     rows = _rows(split, dense, s_acts, d_acts)  # (n_rows, 3): this rank's worst relative differences
     worst = torch.tensor(rows, dtype=torch.float64)
     dist.all_reduce(worst, split.tp_report.tp_group, op="max")  # the worst over every rank's shards
@@ -159,7 +160,7 @@ def _corrupt(block, tol: float) -> None:
     last.mul_(1 + 1000 * tol)
 
 
-def _forward_backward(model, inputs, family):
+def _forward_backward(model, inputs, decoder: bool):
     """Per-module outputs and their gradients, and the loss."""
     acts, hooks = [], []
 
@@ -173,7 +174,7 @@ def _forward_backward(model, inputs, family):
         hooks.append(module.register_forward_hook(keep))
     try:
         model.train(False)
-        loss = _loss(model, inputs, family)
+        loss = _loss(model, inputs, decoder)
         loss.backward()
     finally:
         for h in hooks:
@@ -181,8 +182,8 @@ def _forward_backward(model, inputs, family):
     return [(a.detach(), a.grad) for a in acts], loss.item()
 
 
-def _loss(model, inputs, family):
-    if family == "bert":
+def _loss(model, inputs, decoder: bool):
+    if not decoder:
         hidden = model.base_model(**inputs).last_hidden_state  # (B, T, H); a head, if any, is not used
         proj = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(7), dtype=hidden.dtype)
         return (hidden @ proj).square().mean()
@@ -193,7 +194,7 @@ def _loss(model, inputs, family):
 def _rows(split, dense, s_acts, d_acts) -> list[list[float]]:
     """Per checked module: activation, activation-gradient and parameter-gradient differences;
     then one row for every parameter outside them (final norm, head)."""
-    dense_params = dict(dense.named_parameters())
+    dense_params = dict(dense.named_parameters(remove_duplicate=False))
     rows, seen = [], set()
     for module, (sa, sg), (da, dg) in zip(_checked(split), s_acts, d_acts):
         params = list(module.parameters())

@@ -66,6 +66,9 @@ GENERIC_SIZES = dict(
     mamba_head_dim=32, ssm_state_size=8, state_size=8, time_step_rank=8, expand=2, conv_kernel=4,
     chunk_size=16, index_n_heads=2, index_head_dim=16, index_topk=4,
     swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+    # per-layer and auxiliary embeddings (Gemma-4, RoCBert, XLM)
+    vocab_size_per_layer_input=130, hidden_size_per_layer_input=16, emb_dim=64,
+    pronunciation_vocab_size=32, pronunciation_embed_dim=16, shape_vocab_size=32, shape_embed_dim=16,
 )
 
 # Widths and head counts, scaled together so that every tp size splits them (head_dim stays 16).
@@ -73,7 +76,8 @@ _SCALED = ("hidden_size", "intermediate_size", "num_attention_heads", "n_embd", 
            "d_model", "ffn_dim", "num_heads", "n_heads", "decoder_attention_heads", "decoder_ffn_dim",
            "encoder_attention_heads", "encoder_ffn_dim", "embedding_size", "ffn_hidden_size",
            "attention_hidden_size", "dim_ff", "dff", "moe_intermediate_size", "shared_expert_intermediate_size",
-           "shared_intermediate_size", "moe_shared_expert_intermediate_size", "swa_num_attention_heads")
+           "shared_intermediate_size", "moe_shared_expert_intermediate_size", "swa_num_attention_heads",
+           "emb_dim")
 
 
 def sizes_for(tp: int = 1) -> dict:

@@ -10,7 +10,9 @@ tp / n_kv_heads for a replicated KV head),
 
     ||g||^2 = all_reduce_sum( sum_p ||g_p||^2 / r_p )
 
-counts every parameter exactly once with one all-reduce of one number.
+counts every parameter exactly once with one all-reduce of one number. A fused projection's shard
+that holds a replicated KV head beside its own query heads (``p.tp_row_replicas = (rows, r)``)
+counts those rows ``1 / r`` each.
 """
 from __future__ import annotations
 
@@ -59,17 +61,29 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
     group, tp_size = _group(model)
-    grads = [(p.grad, getattr(p, "tp_replicas", 1)) for p in model.parameters() if p.grad is not None]
-    if not grads:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
         raise ValueError("no parameter has a gradient; call backward() before clip_grad_norm_")
-    sq = sum(g.pow(2).sum().to(torch.float64) / r for g, r in grads).reshape(1)  # (1,)
+    sq = sum(_share_of_square(p) for p in params).reshape(1)  # (1,)
     if tp_size > 1:
         dist.all_reduce(sq, group=group)  # sum of every rank's share
     total = sq.sqrt()[0]
     coef = (max_norm / (total + eps)).clamp(max=1.0)
-    for g, _ in grads:
-        g.mul_(coef.to(g.dtype))
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
     return total
+
+
+def _share_of_square(p) -> torch.Tensor:
+    """This rank's share of ``||g_p||^2``: divided by the ranks holding the same values."""
+    g = p.grad.to(torch.float64)
+    sq = g.pow(2).sum() / getattr(p, "tp_replicas", 1)
+    rows = getattr(p, "tp_row_replicas", None)
+    if rows is not None:
+        pieces, r = rows
+        shared = sum(g[a:b].pow(2).sum() for a, b in pieces)
+        sq = sq - shared * (1 - 1 / r)
+    return sq
 
 
 def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,

@@ -86,17 +86,19 @@ class ShardedRMSNorm(nn.Module):
       through its own features, and every ``s_i`` moves all of them.
 
     Like Hugging Face's RMSNorms it computes in float32 and returns the input's dtype.
+    ``replicas``: ranks holding the same features (a KV head replicated because there are fewer KV
+    heads than ranks): the summed statistic counts them ``replicas`` times and is divided back.
     """
 
     def __init__(self, weight_shard: torch.Tensor, eps: float, full_size: int, *, tp_group=None,
-                 requires_grad: bool = True):
+                 requires_grad: bool = True, replicas: int = 1):
         super().__init__()
         self.tp_size, self.tp_rank = tp_info(tp_group)
-        self.tp_group, self.eps, self.full_size = tp_group, eps, full_size
+        self.tp_group, self.eps, self.full_size, self.replicas = tp_group, eps, full_size, replicas
         self.weight = nn.Parameter(weight_shard.detach().clone(), requires_grad)
 
     @classmethod
-    def from_dense(cls, norm: nn.Module, pieces: tuple, *, tp_group=None) -> "ShardedRMSNorm":
+    def from_dense(cls, norm: nn.Module, pieces: tuple, *, tp_group=None, replicas: int = 1) -> "ShardedRMSNorm":
         """This rank's features ``pieces`` (``((start, end), ...)``) of an RMSNorm's weight."""
         eps = getattr(norm, "variance_epsilon", None)
         eps = getattr(norm, "eps", None) if eps is None else eps
@@ -104,7 +106,8 @@ class ShardedRMSNorm(nn.Module):
             raise ValueError(f"{type(norm).__name__} is not an RMSNorm with a 1-D weight and an eps "
                              f"(variance_epsilon or eps); it cannot be split")
         shard = torch.cat([norm.weight[a:b] for a, b in pieces])
-        return cls(shard, eps, norm.weight.shape[0], tp_group=tp_group, requires_grad=norm.weight.requires_grad)
+        return cls(shard, eps, norm.weight.shape[0], tp_group=tp_group, requires_grad=norm.weight.requires_grad,
+                   replicas=replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_last_dim(x, self.weight.shape[0], "normalized features per partition")
@@ -112,8 +115,11 @@ class ShardedRMSNorm(nn.Module):
         h = x.to(torch.float32)
         ss = h.pow(2).sum(-1, keepdim=True)  # (..., 1) this rank's features
         ss = dist.reduce_from_tp_region(dist.copy_to_tp_region(ss, group=self.tp_group), group=self.tp_group)
+        if self.replicas > 1:
+            ss = ss / self.replicas  # each replicated feature was summed once per rank holding it
         h = h * torch.rsqrt(ss / self.full_size + self.eps)  # (..., N/p)
         return (self.weight * h).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]} of {self.full_size}, eps={self.eps}, tp_size={self.tp_size}"
+        return (f"{self.weight.shape[0]} of {self.full_size}, eps={self.eps}, tp_size={self.tp_size}"
+                + (f", replicas={self.replicas}" if self.replicas > 1 else ""))

@@ -42,13 +42,23 @@ def replace_input(args, kwargs, x, new):
             {k: new if v is x else v for k, v in kwargs.items()})
 
 
+# A cross-attention's keys and values come from the encoder's states, not from its first input:
+# they enter the region too.
+CROSS_INPUTS = ("key_value_states", "encoder_hidden_states")
+
+
 def _copy_in(module, args, kwargs, *, group):
     x = hidden_input(args, kwargs)
     if x is None:
         raise ValueError(f"{type(module).__name__} is a tensor-parallel region but was called without "
                          f"a positional tensor input or hidden_states=; its column-parallel linears "
                          f"would miss their input copy")
-    return replace_input(args, kwargs, x, dist.copy_to_tp_region(x, group=group))
+    args, kwargs = replace_input(args, kwargs, x, dist.copy_to_tp_region(x, group=group))
+    for key in CROSS_INPUTS:
+        kv = kwargs.get(key)
+        if isinstance(kv, torch.Tensor) and kv is not x:
+            kwargs = {**kwargs, key: dist.copy_to_tp_region(kv, group=group)}
+    return args, kwargs
 
 
 def enter_region(module, group):

@@ -19,6 +19,8 @@ After any error the model is exactly as it was (parameters, module types, hooks,
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
@@ -30,7 +32,7 @@ from tensorpar.sharding.report import ParallelizeReport
 from tensorpar.sharding.styles import REGION_STYLES, STYLES, Built, StyleContext
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
-MAX_ATTEMPTS = 4  # resolve -> prove rounds: each one leaves at least one more block whole
+MAX_ATTEMPTS = 8  # build -> prove rounds: each one leaves at least one more unit whole
 
 
 def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=None,
@@ -70,8 +72,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
         if res.strict:
             raise ValueError("plan does not compute the model's function: " +
                              "; ".join(f"{k}: {v}" for k, v in failed.items()))
-        res.whole.update(failed)
-        R.drop_whole(res)
+        _fall_back(res, failed)
     else:
         raise ValueError(f"could not split {type(model).__name__} exactly after {MAX_ATTEMPTS} attempts")
     C.tag_params(model, built, tp_size, res)
@@ -79,6 +80,27 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
     return model
+
+
+def _fall_back(res, failed: dict) -> None:
+    """A failed unit splits a safer way where there is one (a mixture of experts whose block ends in
+    a norm reduces its experts where they are made, not at its output), else stays whole."""
+    from tensorpar.sharding.feasibility import generic
+    moe = {generic(n) for n, p in res.placements.items() if p.style == "moe"}
+    for name, why in failed.items():
+        if name.startswith("@unsync:"):
+            param = name.split(":", 1)[1]
+            for n in [n for n, p in res.placements.items() if p.style == "grad_sync" and generic(n) == param]:
+                del res.placements[n]
+            res.notes.append(f"{param}: gradient not all-reduced ({why} when it was)")
+        elif name in moe:
+            for n, p in list(res.placements.items()):
+                if p.style == "moe" and generic(n) == name:
+                    res.placements[n] = replace(p, style="moe_split", why=f"{p.why}; one reduction failed: {why}")
+            res.notes.append(f"{name}: experts reduced where they are made ({why})")
+        else:
+            res.whole[name] = why
+    R.drop_whole(res)
 
 
 def _check_dense(model) -> None:
@@ -92,19 +114,19 @@ def _check_dense(model) -> None:
 
 
 def _check(model, res, tp_size) -> None:
-    """Feasibility of every split size; a user plan also against its family's units."""
-    sizes = R.sizes_of(model, res)
-    feas = feasibility_report(res.arch or type(model).__name__, sizes, tp_size)
-    res.feasibility = feas
-    if not feas.ok:
-        raise ValueError(feas.error_message())
-    res.notes = feas.fixes + res.notes
-    if res.source == "user":
-        checks.check_plan(model, res.styles(), res.arch, res.dims, tp_size, R.base_prefix(model))
+    """A user plan against its modules' kinds and its family's units, then every split size."""
     needs_heads = [n for n, p in res.placements.items() if STYLES[p.style].needs_heads]
     if needs_heads and res.dims is None:
         raise ValueError(f"styles on {needs_heads[:3]} need the model's head counts, which its config "
                          f"does not give (num_attention_heads, hidden_size)")
+    if res.source == "user":
+        modules = {n: s for n, s in res.styles().items() if STYLES[s].target == "module"}
+        checks.check_plan(model, modules, res.arch, res.dims, tp_size, R.base_prefix(model))
+    feas = feasibility_report(res.arch or type(model).__name__, R.sizes_of(model, res), tp_size)
+    res.feasibility = feas
+    if not feas.ok:
+        raise ValueError(feas.error_message())
+    res.notes = feas.fixes + res.notes
 
 
 def _in_region(name: str, res) -> bool:

@@ -155,6 +155,10 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
         undo.add(handle.remove)
         if p.style == "moe":
             undo.add(regions.exit_region(module, tp_group).remove)
+        if p.style == "moe_split":  # reduce where the partial sums are made: the routed experts' output
+            for sub in module.modules():
+                if R._is_experts(sub):
+                    undo.add(regions.exit_region(sub, tp_group).remove)
         if p.style == "attention":
             _set_heads(module, anchor, res, tp_size, undo)
             if arch is not None and arch.head_inputs:
@@ -247,10 +251,13 @@ def tag_params(model, built: dict, tp_size: int, res) -> None:
             if not isinstance(p, nn.Parameter):
                 continue
             p.tp_spec = ShardSpec(f"{prefix}.{attr}", spec.dim, spec.pieces, spec.pad_to, spec.transpose)
-            if isinstance(owner, ReplicatedHeadLinear):
-                p.tp_replicas = tp_size // res.dims.n_kv_heads
+            if isinstance(owner, ReplicatedHeadLinear) or getattr(owner, "replicas", 1) > 1:
+                p.tp_replicas = tp_size // res.dims.n_kv_heads  # one KV head, held by this many ranks
             else:
                 p.tp_replicas = 1 if spec.is_shard else tp_size
+            rows = getattr(owner, "replicated_rows", None)
+            if rows and p.tp_replicas == 1:  # a fused shard whose KV-head rows other ranks hold too
+                p.tp_row_replicas = (rows, tp_size // res.dims.n_kv_heads)
     for name, p in model.named_parameters():
         if not hasattr(p, "tp_replicas"):
             p.tp_replicas = tp_size  # untouched by the plan: whole on every rank

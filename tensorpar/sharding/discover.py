@@ -24,15 +24,21 @@ import torch
 from torch import nn
 
 
-def _first_tensor(out):
+def first_tensor(out):
+    """The main tensor of a module's output: a model output's logits or last hidden state, else
+    the first tensor of a tuple, list or dict."""
     if isinstance(out, torch.Tensor):
         return out
+    for attr in ("logits", "last_hidden_state"):
+        t = getattr(out, attr, None)
+        if isinstance(t, torch.Tensor):
+            return t
     if isinstance(out, (tuple, list)) and out:
-        return _first_tensor(out[0])
+        return first_tensor(out[0])
     if isinstance(out, dict) and out:
-        return _first_tensor(next(iter(out.values())))
-    first = getattr(out, "to_tuple", None)
-    return _first_tensor(first()) if first else None
+        return first_tensor(next(iter(out.values())))
+    to_tuple = getattr(out, "to_tuple", None)
+    return first_tensor(to_tuple()) if to_tuple else None
 
 
 def call_model(model: nn.Module, inputs):
@@ -120,7 +126,7 @@ def _with_grad_input(args, kwargs):
 
 def _run(module, args, kwargs, leaves, cotangent=None):
     """``(output, cotangent, {leaf: gradient})`` of ``<output, cotangent>``."""
-    out = _first_tensor(module(*args, **kwargs))
+    out = first_tensor(module(*args, **kwargs))
     if out is None:
         return None, None, {}
     if cotangent is None:
@@ -148,7 +154,10 @@ def _pair_error(model, parent, a_names, b_name, args, kwargs, p) -> tuple[float 
     others = {n: t for n, t in own.items() if n not in split and t.requires_grad}
     with torch.enable_grad():
         x, d_args, d_kwargs = _with_grad_input(args, kwargs)
-        dense, cot, d_grads = _run(module, d_args, d_kwargs, {"x": x, **own})
+        try:
+            dense, cot, d_grads = _run(module, d_args, d_kwargs, {"x": x, **own})
+        except (RuntimeError, ValueError, IndexError, TypeError):  # the block runs only as the model calls it
+            return None, []
         if dense is None:
             return None, []
         total, sums, shard_err = None, {}, 0.0
@@ -232,13 +241,16 @@ def discover(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
     return {**pairs, **vocab}, notes + vnotes
 
 
-def find_pairs(model, tp_size, example_inputs) -> tuple[dict, list[str]]:
-    """``{linear_name: "colwise"|"rowwise", block: "mlp"}`` for every checked pair, and the notes."""
+def find_pairs(model, tp_size, example_inputs, taken=frozenset()) -> tuple[dict, list[str]]:
+    """``{linear_name: "colwise"|"rowwise", block: "mlp"}`` for every checked pair, and the notes.
+
+    ``taken``: linears a plan already splits; a module calling any of them is not a candidate (a
+    declared plan completed with pairs of the blocks it leaves whole)."""
     modes = {m: m.training for m in model.modules()}  # each module's own mode, restored after
     model.eval()  # dropout off: the dense and shard runs must see the same function
     try:
         calls, log = _record_calls(model, example_inputs)
-        styles, notes, assigned = {}, [], set()
+        styles, notes, assigned = {}, [], set(taken)
         tol = _tolerance(model)
         for parent in sorted(calls, key=lambda n: -n.count(".") - bool(n)):  # deepest first
             pair = _candidate(model, calls[parent], log, assigned, tp_size)
@@ -271,6 +283,10 @@ def find_vocab(model, assigned: dict) -> tuple[dict, list[str]]:
         return {}, []
     name, emb = max(embeddings, key=lambda nm: nm[1].weight.numel())
     styles, notes = {name: "vocab"}, [f"vocab-parallel embedding: {name} ({emb.num_embeddings} rows)"]
+    for n, m in embeddings:  # an embedding tied to it (ProphetNet's decoder shares the encoder's)
+        if n != name and m.weight is emb.weight:
+            styles[n] = "vocab"
+            notes.append(f"vocab-parallel embedding tied to it: {n}")
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear) and n not in assigned and (
                 m.weight is emb.weight or m.out_features == emb.num_embeddings):

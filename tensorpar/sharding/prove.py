@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tensorpar.sharding.discover import call_model, first_tensor
 from tensorpar.sharding.feasibility import generic
 from tensorpar.sharding.resolve import regions, region_of, unit_root
 from tensorpar.sharding.spec import ShardSpec
@@ -60,7 +61,22 @@ def example_inputs(model, given=None):
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 64
     g = torch.Generator().manual_seed(20261201)
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, min(EXAMPLE_SEQ, limit)), generator=g)
-    return {"input_ids": ids.to(_device(model))}
+    inputs = {"input_ids": ids.to(_device(model))}
+    encoder = _encoder_states(model, ids.shape[0], g)
+    return inputs if encoder is None else {**inputs, "encoder_hidden_states": encoder}
+
+
+def _encoder_states(model, batch: int, g):
+    """Random encoder states for a decoder with cross-attention (so the proof runs it too)."""
+    import inspect
+    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters:
+        return None
+    config = model.config.get_text_config()
+    width = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+    p = next(model.parameters())
+    if not width or not p.is_floating_point():
+        return None
+    return torch.randn((batch, 5, width), generator=g, dtype=torch.float64).to(device=p.device, dtype=p.dtype)
 
 
 def _device(model):
@@ -68,23 +84,7 @@ def _device(model):
     return p.device if p is not None else torch.device("cpu")
 
 
-def _first(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    for attr in ("logits", "last_hidden_state"):
-        t = getattr(out, attr, None)
-        if isinstance(t, torch.Tensor):
-            return t
-    if isinstance(out, (tuple, list)) and out:
-        return _first(out[0])
-    if isinstance(out, dict) and out:
-        return _first(next(iter(out.values())))
-    to_tuple = getattr(out, "to_tuple", None)
-    return _first(to_tuple()) if to_tuple else None
-
-
 def _call(model, inputs):
-    from tensorpar.sharding.discover import call_model
     return call_model(model, inputs)
 
 
@@ -175,7 +175,7 @@ class _Run:
 
 def _block_run(block, name, args, kwargs, seed) -> _Run:
     x, args, kwargs = _with_input_grad(args, kwargs)
-    out = _first(block(*args, **kwargs))
+    out = first_tensor(block(*args, **kwargs))
     (out * _cotangent(out, seed)).sum().backward()
     return _Run(out.detach(), None if x is None else x.grad, _grads(block, name))
 
@@ -212,7 +212,7 @@ class Evidence:
         try:
             with _quiet(model, all_params - block_params):
                 with _Precision() as precision:
-                    out = _first(_call(model, inputs))
+                    out = first_tensor(_call(model, inputs))
                 if out is None:
                     raise ValueError(f"{type(model).__name__} returned no tensor to prove the split on")
                 (out * _cotangent(out, 1)).sum().backward()
@@ -230,8 +230,10 @@ class Evidence:
         return ev
 
     def check(self, model, res, built, tp_group) -> dict:
-        """``{generic block name: why}`` for every part whose split differs from the dense run."""
+        """``{generic block name: why}`` for every part whose split differs from the dense run
+        (``"@unsync:<parameter>"``: a synchronised gradient that needs none)."""
         from tensorpar import dist
+        tp_size = dist.get_world_size(tp_group)
         specs = shard_specs(model, built)
         blist = dict(blocks(model))
         block_params = {f"{b}.{n}" for b in blist for n, _ in blist[b].named_parameters()}
@@ -247,18 +249,21 @@ class Evidence:
                 errors[bname], errors[bname + " <raised>"] = float("inf"), f"{type(exc).__name__}: {exc}"
                 errors[bname + " <where>"] = _raised_in(exc, model, res)
                 continue
-            errors[bname] = max(_rel(run.out, dense.out), _rel(run.input_grad, dense.input_grad),
+            errors[bname + " <out>"] = _rel(run.out, dense.out)
+            errors[bname] = max(errors[bname + " <out>"], _rel(run.input_grad, dense.input_grad),
                                 _param_error(run.grads, dense.grads, specs))
             errors[bname + " <params>"] = _worst_params(run.grads, dense.grads, specs)
+            errors[bname + " <over>"] = _over_reduced(run.grads, dense.grads, res, dist.get_world_size(tp_group))
         try:
             with _quiet(model, all_params - block_params):
-                out = _first(_call(model, self.inputs))
+                out = first_tensor(_call(model, self.inputs))
                 (out * _cotangent(out, 1)).sum().backward()
                 errors["<output>"] = _rel(out.detach(), self.top_out)
                 errors["<outside the blocks>"] = _param_error(_grads(model, ""), self.top_grads, specs)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             errors["<output>"], errors["<output> <raised>"] = float("inf"), f"{type(exc).__name__}: {exc}"
-        names = sorted(k for k in errors if not k.endswith((" <params>", " <raised>", " <where>")))
+        names = sorted(k for k in errors if not k.endswith((" <params>", " <raised>", " <where>", " <out>",
+                                                            " <over>")))
         worst = torch.tensor([errors[k] for k in names], dtype=torch.float64)
         if dist.get_world_size(tp_group) > 1:
             dist.all_reduce(worst, tp_group, op="max")
@@ -268,9 +273,16 @@ class Evidence:
         for key, err in zip(names, worst.tolist()):
             if err <= tol or (blocks_failed and key.startswith("<")):  # a block's error reaches the output
                 continue
+            over = errors.get(key + " <over>")
+            if over:  # a gradient all-reduced that every rank had whole: drop its synchronisation first
+                failed.update({"@unsync:" + generic(n): f"its gradient came out {tp_size} times too large"
+                               for n in over})
+                continue
             failed.update(_blame(model, res, key, err, tol, errors.get(key + " <params>"),
-                                 errors.get(key + " <raised>"), errors.get(key + " <where>")))
-        return failed
+                                 errors.get(key + " <raised>"), errors.get(key + " <where>"),
+                                 errors.get(key + " <out>")))
+        # the verdict is every rank's (all-reduced); the wording is rank 0's, so every report agrees
+        return dist.broadcast_object(failed, src=0, group=tp_group) if failed else failed
 
 
 def _chosen(model, blist) -> set:
@@ -331,6 +343,21 @@ def _param_errors(split: dict, dense: dict, specs: dict) -> dict:
     return out
 
 
+def _over_reduced(split: dict, dense: dict, res, tp_size: int) -> list:
+    """Synchronised parameters whose gradient is ``tp_size`` times the dense one: each rank had the
+    whole gradient already (the parameter acts after the region's reduction, a norm on the block's
+    output), and the all-reduce added it ``tp_size`` times."""
+    out = []
+    for name, p in res.placements.items():
+        if p.style != "grad_sync" or name not in split or name not in dense:
+            continue
+        want = dense[name].double() * tp_size
+        scale = want.abs().max().item()
+        if scale and (split[name].double() - want).abs().max().item() <= 1e-6 * scale:
+            out.append(name)
+    return out
+
+
 def _param_error(split, dense, specs) -> float:
     return max(_param_errors(split, dense, specs).values(), default=0.0)
 
@@ -357,7 +384,7 @@ def _raised_in(exc, model, res) -> str | None:
     return unit_root(max(owners, key=len), res.placements) if owners else None
 
 
-def _blame(model, res, key, err, tol, params, raised=None, where=None) -> dict:
+def _blame(model, res, key, err, tol, params, raised=None, where=None, errors_out=None) -> dict:
     """The blocks to leave whole for a failed check, by generic name (every layer of the kind)."""
     why = (f"the split raised {raised[:200]}" if raised else
            f"split differs from the dense model by {err:.1e} (relative; limit {tol:.0e})")
@@ -367,15 +394,13 @@ def _blame(model, res, key, err, tol, params, raised=None, where=None) -> dict:
         return {generic(r): f"{why} {key}" for r in roots} or {"<model>": why}
     if raised and where is not None:
         return {generic(where): f"{why} in {key}"}
-    bad = [n for n, e in (params or []) if e > tol]
-    regs = regions(res.placements)
-    roots = set()
-    for name in bad:
-        owner = name.rpartition(".")[0]
-        anchor = region_of(name, regs) or (owner if owner in res.placements else None)
-        if anchor is not None:
-            roots.add(unit_root(anchor, res.placements) if anchor in res.placements else anchor)
-    if not roots:  # forward or input gradient only: every unit of the block
-        roots = {unit_root(n, res.placements) for n in res.placements if n.startswith(key + ".")}
+    order = [n for n, _ in model.named_modules()]  # definition order: forward order, as a rule
+    units = sorted({unit_root(n, res.placements) for n in res.placements if n.startswith(key + ".")},
+                   key=lambda u: order.index(u) if u in order else len(order))
+    bad_units = [u for u in units if any(n == u or n.startswith(u + ".") for n, e in (params or []) if e > tol)]
+    # A forward error flows downstream: the first unit may be the cause. A backward error flows
+    # upstream: with the block's output right, the last unit whose gradients differ is.
+    out_ok = errors_out is not None and errors_out <= tol
+    roots = {bad_units[-1]} if out_ok and bad_units else ({units[0]} if units else set())
     worst = ", ".join(n for n, _ in (params or [])[:3])
     return {generic(r): f"{why} in {key}" + (f" (worst: {worst})" if worst else "") for r in roots}

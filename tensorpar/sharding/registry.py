@@ -131,10 +131,12 @@ def _pair(col: str, row: str, region: str | None = None) -> dict:
 
 
 # Decoders of encoder-decoder models used as causal LMs (BartForCausalLM and its kin): the MLP
-# is fc1 -> fc2 directly in the layer; the cross-attention ("encoder_attn") is unused without
-# encoder states and stays whole.
+# is fc1 -> fc2 directly in the layer; the cross-attention ("encoder_attn", used when encoder
+# states are given) splits by heads like the self-attention, its keys and values taking the
+# encoder states into the region.
 _BART_DECODER = {"decoder.embed_tokens": "vocab",
                  **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
+                 **_attention("decoder.layers.*.encoder_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
                  **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head",
                  "output_projection": "vocab_head", "proj_out": "vocab_head"}
 _OPT = {"decoder.embed_tokens": "vocab",

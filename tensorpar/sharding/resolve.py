@@ -218,6 +218,9 @@ def derive_regions(model, placements: dict) -> dict:
             _is_experts(m) for m in module.modules())
         style = "moe" if fused else ("attention" if _is_attention(module) else "mlp")
         out[anchor] = Placement(anchor, style, "region of its row split's parent")
+    regs = regions(out)
+    for inner in [a for a in regs if any(_under(a, b) for b in regs if b != a)]:
+        del out[inner]  # a region inside another joins it: one input copy, one reduction
     return out
 
 
@@ -261,7 +264,7 @@ def mark_moe_mlps(model, placements: dict) -> dict:
     out = dict(placements)
     experts = {n for n, p in placements.items() if p.style == EXPERTS}
     for anchor, reg in regs.items():
-        if reg.style != "moe":
+        if reg.style not in ("moe", "moe_split"):
             continue
         for name, module in model.get_submodule(anchor).named_modules():
             full = f"{anchor}.{name}" if name else anchor
@@ -309,7 +312,7 @@ def mark_grad_sync(model, placements: dict) -> dict:
             if anchor is None and not in_decl:
                 continue
             owner_is_experts = mname in experts
-            if owner_is_experts and regs.get(anchor) is not None and regs[anchor].style == "moe":
+            if owner_is_experts and regs.get(anchor) is not None and regs[anchor].style in ("moe", "moe_split"):
                 out[full] = Placement(full, "param_rank0", "unsplit expert parameter inside the partial sum")
             else:
                 why = "declared replicated_with_grad_allreduce" if in_decl else f"replicated inside region {anchor!r}"
@@ -343,8 +346,12 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
     res = Resolution(source=source, arch=kind, dims=dims, strict=source == "user",
                      head_attrs=arch.head_attrs if arch else (), head_config=arch.head_config if arch else ())
     if source == "discovered":
-        styles, notes = discover.discover(model, tp_size, example_inputs)
+        styles, notes = discover.discover(_runnable(model, tp_size), tp_size, example_inputs)
         res.notes += notes
+        if not styles:
+            raise ValueError(f"unsupported model type {kind or type(model).__name__!r}: it declares no "
+                             f"tensor-parallel plan, tensorpar's registry has no entry for it, and no "
+                             f"column -> row linear pair or embedding to split was found; {'; '.join(notes)}")
         entries = styles
     bad = {}
     if source == "declared":
@@ -352,6 +359,8 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
     placements, unused = expand(model, entries, segments, source=source)
     if source == "user" and unused:
         raise ValueError(f"plan patterns {unused} match no module of {type(model).__name__}")
+    if source == "declared":
+        placements = _complete(model, placements, tp_size, example_inputs, res)
     if source == "declared" or (source == "tensorpar" and not any(
             STYLES.get(p.style) and STYLES[p.style].kind == "region" for p in placements.values())):
         placements = derive_regions(model, placements)
@@ -365,6 +374,50 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
     res.experts = sorted(n for n, p in placements.items() if p.style == EXPERTS)
     drop_whole(res)
     return res
+
+
+def _complete(model, placements: dict, tp_size: int, example_inputs, res) -> dict:
+    """A declaration completed: pairs of linears in the blocks it leaves whole (an attention it does
+    not name, a shared MLP), each checked forward and backward before it is taken."""
+    from tensorpar.sharding import discover
+    from tensorpar.sharding.prove import example_inputs as default_inputs
+    if tp_size == 1:
+        return placements
+    modules = dict(model.named_modules())
+    split = {n for n in _split_names(placements) if n in modules}
+    taken = {n for n, m in modules.items() if isinstance(m, nn.Linear)
+             and any(n == s or _under(n, s) or _under(s, n) for s in split)}
+    runnable = _runnable(model, tp_size)
+    try:
+        inputs = default_inputs(runnable, example_inputs)
+        styles, notes = discover.find_pairs(runnable, tp_size, inputs, taken)
+    except ValueError as exc:  # the model cannot run on example inputs: the declaration as it is
+        res.notes.append(f"declared plan not completed: {exc}")
+        return placements
+    res.notes += [n for n in notes if n.startswith("paired")]
+    out = dict(placements)
+    for name, style in styles.items():
+        if name not in out and not any(_under(name, s) for s in split):
+            out[name] = Placement(name, style, "discovered: a block the declaration leaves whole")
+    return out
+
+
+def _runnable(model, tp_size: int):
+    """``model``, or for one on the meta device (no weights to run the pair checks on) a small
+    replica of its config with random weights: the same module names, the same code."""
+    if not any(p.is_meta for p in model.parameters()):
+        return model
+    import torch
+    from tensorpar.sharding.certify import REPLICA_SEED, tiny_like
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise ValueError(f"{type(model).__name__} is on the meta device and no plan is known for it: the "
+                         f"pairs of linears to split are found by running it; pass a plan dict")
+    torch.manual_seed(REPLICA_SEED)
+    replica = type(model)(tiny_like(config, tp_size)).to(torch.float64).eval()
+    if hasattr(replica.config, "_experts_implementation"):
+        replica.config._experts_implementation = "eager"
+    return replica
 
 
 def unit_root(name: str, placements: dict) -> str:
@@ -439,7 +492,8 @@ def _split_sizes(model, name, p, regs, dims) -> list:
     in_attention = (anchor := region_of(name, regs)) is not None and regs[anchor].style == "attention"
     if p.style in ("vocab", "vocab_head"):
         mod = model.get_submodule(name)
-        return [Size(name, getattr(mod, "num_embeddings", None) or mod.out_features, "pad", "vocabulary rows")]
+        rows = getattr(mod, "num_embeddings", None) or getattr(mod, "out_features", None)
+        return [Size(name, rows, "pad", "vocabulary rows")] if rows else []
     if p.style in ("colwise_kv", "conv1d_qkv", "param_heads") or (in_attention and style.kind in ("column", "row")
                                                                     and p.style != "fused_colwise"):
         return []  # the head counts govern these
@@ -454,11 +508,13 @@ def _split_sizes(model, name, p, regs, dims) -> list:
         n = t.shape[dim] // (2 if "packed" in p.style else 1)
         return [Size(name, n, "divide", "expert columns")]
     mod = model.get_submodule(name)
+    if style.kind == "norm":
+        return []  # its builder checks the features it normalises
     if style.kind == "column":
-        width = getattr(mod, "out_features", None) or getattr(mod, "nf", 0)
-        return [] if p.style == "colwise_gather" else [Size(name, width, "divide", "columns")]
-    width = getattr(mod, "in_features", None) or getattr(mod, "nx", 0)
-    return [Size(name, width, "divide", "rows")]
+        width = getattr(mod, "out_features", None) or getattr(mod, "nf", None)
+        return [] if p.style == "colwise_gather" or not width else [Size(name, width, "divide", "columns")]
+    width = getattr(mod, "in_features", None) or getattr(mod, "nx", None)
+    return [Size(name, width, "divide", "rows")] if width else []
 
 
 def meta_model(config, model_class=None):

@@ -357,12 +357,21 @@ def param_heads(owner, ctx, name):
 
 def norm_sharded(module, ctx, name):
     """An RMSNorm over features that a column split shards (OLMo-2's ``q_norm`` over all query
-    heads): this rank's features of its weight, the statistic summed over the ranks. The features
-    are the ones of the projection named by the placement's ``of`` option (default: q heads)."""
+    heads): this rank's features of its weight, the statistic summed over the ranks. Over KV heads
+    fewer than the ranks, each rank holds its query heads' KV head, replicated."""
     d = ctx.dims
     width = module.weight.shape[0] if isinstance(getattr(module, "weight", None), torch.Tensor) else None
     if d is None or width is None:
         raise ValueError(f"style 'norm_sharded' on {name!r} needs an RMSNorm with a weight and the model's heads")
+    kv = width == d.n_kv_heads * d.head_dim and d.n_kv_heads != d.n_heads
+    if kv and d.n_kv_heads % ctx.tp_size and ctx.tp_size % d.n_kv_heads == 0:
+        replicas = ctx.tp_size // d.n_kv_heads
+        head = ctx.tp_rank // replicas
+        pieces = ((head * d.head_dim, (head + 1) * d.head_dim),)
+        mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group, replicas=replicas)
+        sync_rows_grad(mod.weight, ((0, d.head_dim),), head, d.n_kv_heads, ctx.tp_group, f"{name}.weight")
+        mod.replicated_rows = ((0, d.head_dim),)
+        return Built(mod, {"weight": ShardSpec("", 0, pieces)})
     heads = {d.n_heads * d.head_dim: d.n_heads, d.n_kv_heads * d.head_dim: d.n_kv_heads}.get(width)
     count = heads if heads is not None else width
     if count % ctx.tp_size:
@@ -399,6 +408,9 @@ STYLES = {s.name: s for s in (
     Style("mlp", "region", None, "MLP block: input copied into the region once"),
     Style("moe", "region", None, "mixture-of-experts block: input copied in once, the partial "
           "sums of routed and shared experts all-reduced once at its output"),
+    Style("moe_split", "region", None, "mixture-of-experts block whose output is not a sum of its "
+          "experts' (a norm after them): input copied in once, the routed experts' output and the "
+          "shared experts' each all-reduced where they are made"),
     Style("param_colwise", "param", param_colwise, _doc(param_colwise)),
     Style("param_rowwise", "param", param_rowwise, _doc(param_rowwise)),
     Style("param_packed_colwise", "param", param_packed_colwise, _doc(param_packed_colwise)),
