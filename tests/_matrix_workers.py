@@ -80,7 +80,8 @@ def _logits(model, ids, encoder=None):
 def _encoder_states(model, batch):
     """Random encoder states for a decoder with cross-attention, so that the comparison runs it."""
     import inspect
-    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters:
+    cross = any(n.rpartition(".")[2] in ("encoder_attn", "crossattention", "cross_attn") for n, _ in model.named_modules())
+    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters or not cross:
         return None
     config = model.config
     width = getattr(config, "d_model", None) or config.hidden_size
@@ -88,6 +89,8 @@ def _encoder_states(model, batch):
 
 
 def _rel(a, b) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
     if a.shape != b.shape:
         return float("inf")
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
@@ -205,6 +208,8 @@ def matrix_worker(archs, tp_sizes) -> dict:
             try:
                 results[(arch, tp)] = check(arch, group)
             except Exception as exc:  # noqa: BLE001 - reported per architecture, the launch goes on
+                if "gloo" in str(exc) or "pair closure" in str(exc):
+                    raise  # the group is broken: every later case would fail with it; stop here
                 results[(arch, tp)] = {"status": "error", "why": f"{type(exc).__name__}: {exc}",
                                        "traceback": traceback.format_exc()[-2000:]}
     return results

@@ -95,7 +95,7 @@ def test_top_level_lazy_names_resolve():
 
     for name in tensorpar.__all__:
         assert getattr(tensorpar, name) is not None, name
-    assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.apply"
+    assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.sharding.apply"
 
 
 def test_lazy_function_names_are_not_shadowed_by_submodules():
@@ -112,3 +112,14 @@ def test_lazy_function_names_are_not_shadowed_by_submodules():
         assert not clash, f"{pkg.__name__}: submodules {clash} shadow functions of the same name"
     importlib.import_module("tensorpar.models.generation")
     assert callable(models.generate)
+
+
+def test_the_architecture_registry_is_plain_data():
+    """Architecture facts live in one registry every consumer reads; it loads without torch."""
+    r = _fresh("""
+        import sys
+        import tensorpar.sharding.registry as registry
+        assert 'torch' not in sys.modules, 'the registry loaded torch'
+        assert registry.ARCHS['gpt2'].plan and 'phi3' in registry.ARCHS
+    """)
+    assert r.returncode == 0, r.stderr

@@ -385,18 +385,48 @@ def vocab_parallel_like(embedding: nn.Embedding, *, tp_group=None) -> nn.Embeddi
     ``parallelize`` proves the result against the dense module and leaves such a module whole.
     """
     VocabParallelEmbedding.from_dense(embedding, tp_group=tp_group)  # the same checks, first
-    cls = type(embedding)
-    rebased = _REBASED.get(cls)
-    if rebased is None:
-        rebased = _REBASED[cls] = type(f"VocabParallel{cls.__name__}", (cls, _VocabShard),
-                                       {"__module__": __name__})
-    new = rebased.__new__(rebased)
-    nn.Module.__init__(new)
-    skip = {k for k in new.__dict__}  # nn.Module's own containers, fresh
-    new.__dict__.update({k: v for k, v in embedding.__dict__.items() if k not in skip})
-    new._buffers.update(embedding._buffers)
-    new._modules.update(embedding._modules)
+    new = _rebase(embedding, _VocabShard, "VocabParallel")
     VocabParallelEmbedding._configure(new, embedding.num_embeddings, embedding.embedding_dim,
                                       embedding.padding_idx, tp_group, False)
     VocabParallelEmbedding._load(new, embedding.weight, embedding.weight.requires_grad)
+    return new
+
+
+class _ColumnShard(nn.Linear):
+    """``nn.Linear.forward`` replaced by :class:`ColumnParallelLinear`'s: the base a linear subclass
+    is rebased on by :func:`column_parallel_like`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ColumnParallelLinear.forward(self, x)
+
+
+def _rebase(module, mixin, prefix: str):
+    """A new instance of ``<prefix><Class>(Class, mixin)`` carrying ``module``'s attributes, buffers,
+    submodules and parameters (the caller replaces the ones it splits by this rank's shards)."""
+    cls = type(module)
+    rebased = _REBASED.get((cls, mixin))
+    if rebased is None:
+        rebased = _REBASED[(cls, mixin)] = type(f"{prefix}{cls.__name__}", (cls, mixin), {"__module__": __name__})
+    new = rebased.__new__(rebased)
+    nn.Module.__init__(new)
+    skip = set(new.__dict__)  # nn.Module's own containers, fresh
+    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in skip})
+    new._buffers.update(module._buffers)
+    new._modules.update(module._modules)
+    new._parameters.update(module._parameters)  # in their order; the caller replaces weight (and bias)
+    return new
+
+
+def column_parallel_like(linear: nn.Linear, *, tp_group=None, gather_output: bool = True,
+                         pad_out_features: bool = True) -> nn.Linear:
+    """This rank's output rows of an ``nn.Linear`` subclass whose own forward calls
+    ``super().forward(x)`` and then works on the whole output (Dory's head scales each logit by a
+    learned per-token factor): the output is gathered, so the rest of its forward sees every logit.
+    Its other parameters stay whole on every rank. ``parallelize`` proves the result."""
+    ColumnParallelLinear.from_dense(linear, tp_group=tp_group, gather_output=gather_output,
+                                    pad_out_features=pad_out_features)  # the same checks, first
+    new = _rebase(linear, _ColumnShard, "ColumnParallel")
+    ColumnParallelLinear._configure(new, linear.in_features, linear.out_features, tp_group, gather_output,
+                                    False, False, pad_out_features)
+    ColumnParallelLinear._load(new, linear.weight, linear.bias, _grads(linear))
     return new

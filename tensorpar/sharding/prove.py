@@ -58,7 +58,8 @@ def example_inputs(model, given=None):
         if dummy is None:
             raise ValueError(f"parallelize(prove=True) needs example_inputs=... for {type(model).__name__}")
         return dummy
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 64
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    limit = limit if isinstance(limit, int) and limit > 0 else EXAMPLE_SEQ
     g = torch.Generator().manual_seed(20261201)
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, min(EXAMPLE_SEQ, limit)), generator=g)
     inputs = {"input_ids": ids.to(_device(model))}
@@ -66,10 +67,17 @@ def example_inputs(model, given=None):
     return inputs if encoder is None else {**inputs, "encoder_hidden_states": encoder}
 
 
+CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
+
+
+def has_cross_attention(model) -> bool:
+    return any(n.rpartition(".")[2] in CROSS_ATTENTION for n, _ in model.named_modules())
+
+
 def _encoder_states(model, batch: int, g):
     """Random encoder states for a decoder with cross-attention (so the proof runs it too)."""
     import inspect
-    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters:
+    if "encoder_hidden_states" not in inspect.signature(model.forward).parameters or not has_cross_attention(model):
         return None
     config = model.config.get_text_config()
     width = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
@@ -189,44 +197,50 @@ def _signature(name: str, block) -> tuple:
 
 @dataclass
 class Evidence:
-    """The dense model's outputs and gradients on the example inputs."""
+    """The dense model's outputs and gradients on the example inputs.
+
+    A model below :data:`ALL_BLOCKS_BELOW` parameters is run once, whole: its output, every
+    block's output (forward hooks) and every parameter's gradient. A larger one keeps only the
+    gradients outside its blocks from that run (their memory is the model's) and runs each block
+    it proves on its own, with its own cotangent."""
     inputs: object
     dtype: torch.dtype
     top_out: torch.Tensor
     top_grads: dict
-    block_inputs: dict = field(default_factory=dict)  # block name -> (args, kwargs)
-    block_runs: dict = field(default_factory=dict)  # block name -> _Run
+    block_names: list = field(default_factory=list)  # the blocks found before the split, in order
+    whole_run: bool = True
+    block_outs: dict = field(default_factory=dict)  # block name -> output (whole run)
+    block_inputs: dict = field(default_factory=dict)  # block name -> (args, kwargs) (block runs)
+    block_runs: dict = field(default_factory=dict)  # block name -> _Run (block runs)
 
     @classmethod
     def collect(cls, model, res, given_inputs=None) -> "Evidence":
         inputs = example_inputs(model, given_inputs)
         blist = blocks(model)
+        whole = sum(p.numel() for p in model.parameters()) < ALL_BLOCKS_BELOW
         block_params = {f"{b}.{n}" for b, m in blist for n, _ in m.named_parameters()}
         all_params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        captured, hooks = {}, []
-        for bname, block in blist:
-            def keep(module, args, kwargs, bname=bname):
-                kwargs = {k: None if k in _CACHES else v for k, v in kwargs.items()}  # blocks run uncached
-                captured.setdefault(bname, (_clone(args), _clone(kwargs)))
-            hooks.append(block.register_forward_pre_hook(keep, with_kwargs=True))
+        captured, outs = {}, {}
+        hooks = _capture(blist, captured, outs)
         try:
-            with _quiet(model, all_params - block_params):
+            with _quiet(model, all_params if whole else all_params - block_params):
                 with _Precision() as precision:
                     out = first_tensor(_call(model, inputs))
                 if out is None:
                     raise ValueError(f"{type(model).__name__} returned no tensor to prove the split on")
                 (out * _cotangent(out, 1)).sum().backward()
                 dtype = least_precise(precision.dtypes | {out.dtype})
-                ev = cls(inputs, dtype, out.detach(), _grads(model, ""))
+                ev = cls(inputs, dtype, out.detach(), _grads(model, ""), [b for b, _ in blist], whole, outs)
         finally:
             for h in hooks:
                 h.remove()
-        chosen = _chosen(model, blist)
-        for i, (bname, block) in enumerate(blist):
-            if bname in chosen and bname in captured:
-                with _quiet(model, None):
-                    ev.block_inputs[bname] = captured[bname]
-                    ev.block_runs[bname] = _block_run(block, bname, *captured[bname], seed=100 + i)
+        if not whole:
+            chosen = _chosen(model, blist)
+            for i, (bname, block) in enumerate(blist):
+                if bname in chosen and bname in captured:
+                    with _quiet(model, None):
+                        ev.block_inputs[bname] = captured[bname]
+                        ev.block_runs[bname] = _block_run(block, bname, *captured[bname], seed=100 + i)
         return ev
 
     def check(self, model, res, built, tp_group) -> dict:
@@ -235,10 +249,52 @@ class Evidence:
         from tensorpar import dist
         tp_size = dist.get_world_size(tp_group)
         specs = shard_specs(model, built)
-        blist = dict(blocks(model))
-        block_params = {f"{b}.{n}" for b in blist for n, _ in blist[b].named_parameters()}
+        blist = {name: model.get_submodule(name) for name in self.block_names}
+        errors = self._whole_errors(model, res, blist, specs, tp_size) if self.whole_run else {}
+        if not self.whole_run:
+            self._block_errors(model, res, blist, specs, tp_size, errors)
+            self._top_errors(model, res, blist, specs, errors)
+        names = sorted(k for k in errors if " <" not in k)
+        worst = torch.tensor([errors[k] for k in names], dtype=torch.float64)
+        if tp_size > 1:
+            dist.all_reduce(worst, tp_group, op="max")
+        failed = self._verdict(model, res, dict(zip(names, worst.tolist())), errors, tp_size)
+        # the verdict is every rank's (all-reduced); the wording is rank 0's, so every report agrees
+        return dist.broadcast_object(failed, src=0, group=tp_group) if failed else failed
+
+    def _whole_errors(self, model, res, blist, specs, tp_size) -> dict:
+        """One run of the whole split model: its output, each block's output and every gradient."""
+        errors, outs = {}, {}
+        hooks = _capture(list(blist.items()), {}, outs)
         all_params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        errors = {}
+        try:
+            with _quiet(model, all_params):
+                out = first_tensor(_call(model, self.inputs))
+                (out * _cotangent(out, 1)).sum().backward()
+                grads = _grads(model, "")
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # same shapes on every rank
+            where = _raised_in(exc, model, res)
+            key = next((b for b in blist if where and (where == b or where.startswith(b + "."))), "<output>")
+            return {key: float("inf"), key + " <raised>": f"{type(exc).__name__}: {exc}", key + " <where>": where}
+        finally:
+            for h in hooks:
+                h.remove()
+        errors["<output>"] = _rel(out.detach(), self.top_out)
+        inside = set()
+        for bname in blist:
+            mine = {n: g for n, g in grads.items() if n.startswith(bname + ".")}
+            dense = {n: g for n, g in self.top_grads.items() if n.startswith(bname + ".")}
+            inside |= set(dense)
+            errors[bname + " <out>"] = _rel(outs.get(bname), self.block_outs.get(bname))
+            errors[bname] = max(errors[bname + " <out>"], _param_error(mine, dense, specs))
+            errors[bname + " <params>"] = _worst_params(mine, dense, specs)
+            errors[bname + " <over>"] = _over_reduced(mine, dense, res, tp_size)
+        errors["<outside the blocks>"] = _param_error({n: g for n, g in grads.items() if n not in inside},
+                                                      {n: g for n, g in self.top_grads.items() if n not in inside},
+                                                      specs)
+        return errors
+
+    def _block_errors(self, model, res, blist, specs, tp_size, errors) -> None:
         order = list(blist)
         for bname in self.block_runs:
             dense = self.block_runs[bname]
@@ -253,7 +309,11 @@ class Evidence:
             errors[bname] = max(errors[bname + " <out>"], _rel(run.input_grad, dense.input_grad),
                                 _param_error(run.grads, dense.grads, specs))
             errors[bname + " <params>"] = _worst_params(run.grads, dense.grads, specs)
-            errors[bname + " <over>"] = _over_reduced(run.grads, dense.grads, res, dist.get_world_size(tp_group))
+            errors[bname + " <over>"] = _over_reduced(run.grads, dense.grads, res, tp_size)
+
+    def _top_errors(self, model, res, blist, specs, errors) -> None:
+        block_params = {f"{b}.{n}" for b in blist for n, _ in blist[b].named_parameters()}
+        all_params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         try:
             with _quiet(model, all_params - block_params):
                 out = first_tensor(_call(model, self.inputs))
@@ -262,15 +322,12 @@ class Evidence:
                 errors["<outside the blocks>"] = _param_error(_grads(model, ""), self.top_grads, specs)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             errors["<output>"], errors["<output> <raised>"] = float("inf"), f"{type(exc).__name__}: {exc}"
-        names = sorted(k for k in errors if not k.endswith((" <params>", " <raised>", " <where>", " <out>",
-                                                            " <over>")))
-        worst = torch.tensor([errors[k] for k in names], dtype=torch.float64)
-        if dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(worst, tp_group, op="max")
+
+    def _verdict(self, model, res, worst: dict, errors: dict, tp_size: int) -> dict:
         tol = TOLERANCE.get(self.dtype, 1e-4)
         failed = {}
-        blocks_failed = any(err > tol for key, err in zip(names, worst.tolist()) if not key.startswith("<"))
-        for key, err in zip(names, worst.tolist()):
+        blocks_failed = any(err > tol for key, err in worst.items() if not key.startswith("<"))
+        for key, err in worst.items():
             if err <= tol or (blocks_failed and key.startswith("<")):  # a block's error reaches the output
                 continue
             over = errors.get(key + " <over>")
@@ -281,8 +338,23 @@ class Evidence:
             failed.update(_blame(model, res, key, err, tol, errors.get(key + " <params>"),
                                  errors.get(key + " <raised>"), errors.get(key + " <where>"),
                                  errors.get(key + " <out>")))
-        # the verdict is every rank's (all-reduced); the wording is rank 0's, so every report agrees
-        return dist.broadcast_object(failed, src=0, group=tp_group) if failed else failed
+        return failed
+
+
+def _capture(blist, inputs: dict, outputs: dict) -> list:
+    """Hooks keeping each block's first inputs (uncached) and first output; the handles."""
+    hooks = []
+    for bname, block in blist:
+        def keep_in(module, args, kwargs, bname=bname):
+            kwargs = {k: None if k in _CACHES else v for k, v in kwargs.items()}  # blocks run uncached
+            inputs.setdefault(bname, (_clone(args), _clone(kwargs)))
+
+        def keep_out(module, args, output, bname=bname):
+            t = first_tensor(output)
+            if t is not None:
+                outputs.setdefault(bname, t.detach().clone())
+        hooks += [block.register_forward_pre_hook(keep_in, with_kwargs=True), block.register_forward_hook(keep_out)]
+    return hooks
 
 
 def _chosen(model, blist) -> set:

@@ -63,7 +63,11 @@ class Arch:
     - ``linear_classes``: ``nn.Linear`` subclasses whose forward computes exactly ``x W^T + b``.
     - ``config_names``: the config field of a size where it is none of :data:`CONFIG_NAMES`.
     - ``units``: family blocks a user plan must split whole (``tensorpar.sharding.checks``).
-    - ``whole``: module-name pattern -> why it stays whole (reported, never approximated).
+    - ``whole``: module-name pattern -> why it stays whole (reported, never approximated): what the
+      proof finds inexact for this architecture, recorded so that the plan, the planner's prediction
+      and the checkpoint loader agree before any proof runs.
+    - ``no_sync``: replicated parameters inside a region whose gradient is whole on every rank
+      already (they act after the region's reduction): not all-reduced.
     """
     name: str
     plan: dict | None = None
@@ -76,6 +80,7 @@ class Arch:
     config_names: dict = field(default_factory=dict)
     units: tuple = ()
     whole: dict = field(default_factory=dict)
+    no_sync: tuple = ()
     notes: tuple = ()
 
 
@@ -186,6 +191,10 @@ _QK_NORM_SHARDED = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.
                     "layers.*.self_attn.q_norm": "norm_sharded", "layers.*.self_attn.k_norm": "norm_sharded"}
 
 
+_MLA = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+        "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+
+
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("llama", units=_DECODER_UNITS),
     Arch("mistral", units=_DECODER_UNITS),
@@ -235,6 +244,16 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     # the whole width, between the column and the row splits: both norms split with them.
     Arch("bitnet", overrides={**_llama_layers(), "layers.*.self_attn.attn_sub_norm": "norm_sharded",
                               "layers.*.mlp.ffn_sub_norm": "norm_sharded"}),
+    # DiffLlama pairs head i with head i + n/2 (and splits V in halves): q, k and v split each half
+    # on its own so that every rank holds whole pairs; o_proj takes the pairs in order.
+    Arch("diffllama", overrides={**_llama_layers(), **{f"layers.*.self_attn.{n}_proj": "fused_colwise"
+                                                       for n in ("q", "k", "v")}},
+         segments={"layers.*.self_attn.q_proj": ("q/2", "q/2"), "layers.*.self_attn.k_proj": ("kv/2", "kv/2"),
+                   "layers.*.self_attn.v_proj": ("kv/2", "kv/2")}),
+    Arch("dory", overrides=_llama_layers()),
+    # Multi-head latent attention the declaration does not name: the low-rank q_a / kv_a projections
+    # stay whole (their gradients synchronised), q_b / kv_b split by heads, o_proj by rows.
+    *(Arch(name, overrides=_MLA) for name in ("deepseek_v3", "youtu", "sarvam_mla", "kimi_linear")),
     # Phi-3 declares qkv_proj and gate_up_proj gathered (every rank then computes every head);
     # split per segment, attention runs on this rank's heads.
     Arch("phi3", overrides={"layers.*.self_attn": "attention", "layers.*.self_attn.qkv_proj": "fused_colwise",

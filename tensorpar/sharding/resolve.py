@@ -370,6 +370,12 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
         placements = mark_moe_mlps(model, placements)
     placements = mark_kv(model, placements, dims if source != "user" else None)
     placements = mark_grad_sync(model, placements)
+    if arch is not None and source != "user":
+        prefix = base_prefix(model) or ""
+        skip = [pattern_regex(prefix + p) for p in arch.no_sync] + [pattern_regex(p) for p in arch.no_sync]
+        placements = {n: p for n, p in placements.items()
+                      if not (p.style == "grad_sync" and any(rx.match(n) for rx in skip))}
+        res.whole.update({prefix + k: f"{v} (registry)" for k, v in arch.whole.items()})
     res.placements = {n: p for n, p in placements.items() if p.style != EXPERTS}
     res.experts = sorted(n for n, p in placements.items() if p.style == EXPERTS)
     drop_whole(res)
@@ -500,7 +506,7 @@ def _split_sizes(model, name, p, regs, dims) -> list:
     if p.style == "fused_colwise":
         segs = p.option("segments") or ()
         return [Size(f"{name}[{s}]", dims.ffn if s == "ffn" else s, "divide", "columns")
-                for s in segs if s not in ("q", "kv")] if dims else []
+                for s in segs if s == "ffn" or isinstance(s, int)] if dims else []
     if style.kind == "param":
         owner, _, attr = name.rpartition(".")
         t = getattr(model.get_submodule(owner), attr)

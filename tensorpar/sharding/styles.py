@@ -23,7 +23,7 @@ from torch import nn
 
 from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
                           VocabParallelEmbedding)
-from tensorpar.nn.layers import vocab_parallel_like
+from tensorpar.nn.layers import column_parallel_like, vocab_parallel_like
 from tensorpar.nn.regions import sync_rows_grad
 from tensorpar.sharding import registry
 from tensorpar.sharding.plan import Dims, Placement
@@ -184,6 +184,9 @@ def fused_segments(module, ctx, name) -> list:
     d, tp = ctx.dims, ctx.tp_size
     units = {"q": (d.n_heads * d.head_dim, d.n_heads, "query heads"),
              "kv": (d.n_kv_heads * d.head_dim, d.n_kv_heads, "KV heads"),
+             # half the heads: DiffLlama pairs head i with head i + n/2
+             "q/2": (d.n_heads * d.head_dim // 2, d.n_heads // 2, "query heads of each half"),
+             "kv/2": (d.n_kv_heads * d.head_dim // 2, d.n_kv_heads // 2, "KV heads of each half"),
              "ffn": (d.ffn, d.ffn, "ffn")} if d is not None else {}
     segs = ctx.placement.option("segments") or ()
     out, start = [], 0
@@ -217,6 +220,12 @@ def vocab(module, ctx, name):
 
 
 def vocab_head(module, ctx, name):
+    """The output head split by vocabulary, its logits gathered; a head subclass with a forward of
+    its own (a learned logit scale) keeps it, on the gathered logits."""
+    if isinstance(module, nn.Linear) and not knows_forward(module, nn.Linear):
+        mod = column_parallel_like(module, tp_group=ctx.tp_group)
+        spec = _rows_spec(mod.output_start_index, mod.output_end_index, mod.out_features_per_partition)
+        return Built(mod, {"weight": spec, "bias": spec})
     _expect_linear(module, "vocab_head", name)
     return _column(module, ctx, gather_output=True, pad_out_features=True)
 
