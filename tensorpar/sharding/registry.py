@@ -240,6 +240,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                                "layers.*.mlp.experts.down_proj_bias": "param_rank0"}),
     *(Arch(name, overrides=_QK_NORM_SHARDED) for name in ("olmo2", "olmo3", "olmo_hybrid", "flex_olmo",
                                                            "minimax_m2", "olmoe")),
+    # MiniMax-M3 normalises q and k per head (replicated, gradient synchronised): split by heads.
+    Arch("minimax_m3_vl_text", overrides={k: v for k, v in _QK_NORM_SHARDED.items() if "norm" not in k}),
     # BitNet normalises the attention output over all heads and the MLP's inner activation over
     # the whole width, between the column and the row splits: both norms split with them.
     Arch("bitnet", overrides={**_llama_layers(), "layers.*.self_attn.attn_sub_norm": "norm_sharded",
@@ -254,6 +256,14 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     # Multi-head latent attention the declaration does not name: the low-rank q_a / kv_a projections
     # stay whole (their gradients synchronised), q_b / kv_b split by heads, o_proj by rows.
     *(Arch(name, overrides=_MLA) for name in ("deepseek_v3", "youtu", "sarvam_mla", "kimi_linear")),
+    Arch("modernbert-decoder", overrides={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
+                                          "layers.*.attn.v_proj": "colwise", "layers.*.attn.Wo": "rowwise",
+                                          "layers.*.mlp.Wi": "fused_colwise", "layers.*.mlp.Wo": "rowwise"},
+         segments={"layers.*.mlp.Wi": ("ffn", "ffn")}),
+    Arch("gpt_neox_japanese", {"embed_in": "vocab", "layers.*.attention": "attention",
+                               "layers.*.attention.query_key_value": "colwise", "layers.*.attention.dense": "rowwise",
+                               **_pair("layers.*.mlp.dense_h_to_4h", "layers.*.mlp.dense_4h_to_h", "layers.*.mlp"),
+                               "embed_out": "vocab_head"}),
     # Phi-3 declares qkv_proj and gate_up_proj gathered (every rank then computes every head);
     # split per segment, attention runs on this rank's heads.
     Arch("phi3", overrides={"layers.*.self_attn": "attention", "layers.*.self_attn.qkv_proj": "fused_colwise",

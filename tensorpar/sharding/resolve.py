@@ -278,10 +278,14 @@ def mark_moe_mlps(model, placements: dict) -> dict:
                 continue
             width = linears[rows[0]].in_features
             cols = [n for n, m in linears.items() if n != rows[0] and m.out_features == width]
-            if len(cols) != len(linears) - 1:
+            fused = [n for n, m in linears.items() if n != rows[0] and m.out_features == 2 * width]
+            if len(cols) + len(fused) != len(linears) - 1:
                 continue
             for n in cols:
                 out[f"{full}.{n}"] = Placement(f"{full}.{n}", "colwise", "an MLP inside a moe region")
+            for n in fused:  # [gate | up] in one linear
+                out[f"{full}.{n}"] = Placement(f"{full}.{n}", "fused_colwise", "a fused MLP inside a moe region",
+                                               (("segments", (width, width)),))
             out[f"{full}.{rows[0]}"] = Placement(f"{full}.{rows[0]}", "rowwise", "an MLP inside a moe region")
     return out
 

@@ -382,6 +382,9 @@ def norm_sharded(module, ctx, name):
         mod.replicated_rows = ((0, d.head_dim),)
         return Built(mod, {"weight": ShardSpec("", 0, pieces)})
     heads = {d.n_heads * d.head_dim: d.n_heads, d.n_kv_heads * d.head_dim: d.n_kv_heads}.get(width)
+    if heads is None and width <= d.head_dim:
+        raise ValueError(f"{name!r} normalises {width} features, one head's: a per-head norm stays whole "
+                         f"on every rank, its gradient synchronised")
     count = heads if heads is not None else width
     if count % ctx.tp_size:
         raise ValueError(f"{name!r}: tp_size ({ctx.tp_size}) must divide the {count} heads or features it normalises")
