@@ -52,7 +52,7 @@ ARCHS = (
     "smollm3", "solar_open", "stablelm", "starcoder2", "trocr", "vaultgemma", "whisper", "xlm",
     "xlm-roberta", "xlm-roberta-xl", "xlnet", "xlstm", "youtu",
 )
-BATCH, SEQ, NEW_TOKENS = 2, 12, 4
+BATCH, SEQ, NEW_TOKENS = 2, 12, 3
 _LAYER = re.compile(r"\.(?:layers|layer|h|blocks|block)\.\d+\.")
 
 

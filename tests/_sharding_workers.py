@@ -13,7 +13,8 @@ from torch import nn
 
 from tensorpar import dist
 from tensorpar.nn import regions
-from tensorpar.nn.layers import RowParallelLinear, column_parallel_like, vocab_parallel_like
+from tensorpar.nn.layers import RowParallelLinear
+from tensorpar.nn.rebase import column_parallel_like, vocab_parallel_like
 from tensorpar.nn.norm import ShardedRMSNorm
 
 D = torch.float64

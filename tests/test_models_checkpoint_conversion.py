@@ -153,7 +153,7 @@ def mixtral(tmp_path_factory):
 
 def _meta(path):
     from transformers import AutoConfig
-    from tensorpar.sharding.resolve import meta_model
+    from tensorpar.sharding.sizes import meta_model
     return meta_model(AutoConfig.from_pretrained(path))
 
 

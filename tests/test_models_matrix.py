@@ -10,7 +10,7 @@ float32 1e-5 where it computes part of the forward in float32 (MoE routers' soft
 rounding, 6e-8, summed in another order). Architectures reported as split hold at most
 ``1/tp + 0.1`` of the decoder-layer parameters on each rank.
 
-``TENSORPAR_COVERAGE=path.json`` writes the results for ``python -m tensorpar.models.coverage``,
+``TENSORPAR_COVERAGE=path.json`` writes the results for ``python -m tensorpar.cli.coverage``,
 which renders the coverage table of the README and docs/coverage.md.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ transformers nor safetensors until asked):
 import importlib
 
 _LAZY = {
-    "ARCHS": "tensorpar.sharding.registry", "model_dims": "tensorpar.sharding.resolve",
+    "ARCHS": "tensorpar.sharding.registry", "model_dims": "tensorpar.sharding.sizes",
     "check_feasibility": "tensorpar.sharding.feasibility",
     "FeasibilityReport": "tensorpar.sharding.feasibility",
     "ParallelizeReport": "tensorpar.sharding.report",

@@ -66,7 +66,7 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
     """
     from tensorpar.sharding.apply import parallelize
-    from tensorpar.sharding.resolve import meta_model
+    from tensorpar.sharding.sizes import meta_model
 
     path = Path(path)
     files, config = _check_dir(path), _read_config(path)

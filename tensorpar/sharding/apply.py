@@ -25,10 +25,12 @@ from torch import nn
 
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
-from tensorpar.sharding import checks, commit as C, prove as P, resolve as R
+from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R
 from tensorpar.sharding.certify import certify
 from tensorpar.sharding.feasibility import report as feasibility_report
+from tensorpar.sharding.plan import base_prefix
 from tensorpar.sharding.report import ParallelizeReport
+from tensorpar.sharding.sizes import sizes_of
 from tensorpar.sharding.styles import REGION_STYLES, STYLES, Built, StyleContext
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
@@ -53,13 +55,13 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     params_total = sum(p.numel() for p in model.parameters())
     res = R.resolve(model, plan, tp_size, example_inputs)
-    res.layer_params_total = sum(p.numel() for _, b in P.blocks(model) for p in b.parameters())
+    res.layer_params_total = sum(p.numel() for _, b in probes.blocks(model) for p in b.parameters())
     _check(model, res, tp_size)
     on_meta = any(p.is_meta for p in model.parameters())
     evidence = None
     if prove and tp_size > 1 and on_meta:  # no weights to run: prove a small replica instead
         res.whole.update(certify(model, plan, tp_group, example_inputs))
-        R.drop_whole(res)
+        M.drop_whole(res)
     elif prove and tp_size > 1:
         evidence = P.Evidence.collect(model, res, example_inputs)
     for _ in range(MAX_ATTEMPTS):
@@ -100,7 +102,7 @@ def _fall_back(res, failed: dict) -> None:
             res.notes.append(f"{name}: experts reduced where they are made ({why})")
         else:
             res.whole[name] = why
-    R.drop_whole(res)
+    M.drop_whole(res)
 
 
 def _check_dense(model) -> None:
@@ -121,8 +123,8 @@ def _check(model, res, tp_size) -> None:
                          f"does not give (num_attention_heads, hidden_size)")
     if res.source == "user":
         modules = {n: s for n, s in res.styles().items() if STYLES[s].target == "module"}
-        checks.check_plan(model, modules, res.arch, res.dims, tp_size, R.base_prefix(model))
-    feas = feasibility_report(res.arch or type(model).__name__, R.sizes_of(model, res), tp_size)
+        checks.check_plan(model, modules, res.arch, res.dims, tp_size, base_prefix(model))
+    feas = feasibility_report(res.arch or type(model).__name__, sizes_of(model, res), tp_size)
     res.feasibility = feas
     if not feas.ok:
         raise ValueError(feas.error_message())
@@ -130,13 +132,13 @@ def _check(model, res, tp_size) -> None:
 
 
 def _in_region(name: str, res) -> bool:
-    regs = R.regions(res.placements)
-    return R.region_of(name, regs) is not None
+    regs = M.regions(res.placements)
+    return M.region_of(name, regs) is not None
 
 
 def _reduce_later(name: str, res) -> bool:
-    regs = R.regions(res.placements)
-    anchor = R.region_of(name, regs)
+    regs = M.regions(res.placements)
+    anchor = M.region_of(name, regs)
     return anchor is not None and regs[anchor].style == "moe"
 
 
@@ -162,7 +164,7 @@ def _build(model, res, tp_group, tp_size, tp_rank) -> dict:
         if not failed:
             return built
         res.whole.update(failed)
-        R.drop_whole(res)
+        M.drop_whole(res)
 
 
 __all__ = ["parallelize", "REGION_STYLES", "Built"]

@@ -35,7 +35,7 @@ def tiny_like(config, tp: int):
     """``config`` with its sizes shrunk to the test sizes for ``tp`` and every flag, string and
     layout choice kept."""
     from tensorpar.models.testing import ARCH_SIZES, OMIT, make_tiny_config, sizes_for
-    from tensorpar.sharding.resolve import model_dims
+    from tensorpar.sharding.sizes import model_dims
     kind = config.model_type
     tiny = make_tiny_config(kind, tp=tp)
     sizes = set(sizes_for(tp)) | set(ARCH_SIZES.get(kind, {})) | {"layer_types", "vocab_size"}

@@ -16,7 +16,7 @@ from torch import nn
 
 from tensorpar.nn import ReplicatedHeadLinear, regions
 from tensorpar.sharding import registry
-from tensorpar.sharding import resolve as R
+from tensorpar.sharding import marks as M
 from tensorpar.sharding.spec import ShardSpec
 
 _MISSING = object()
@@ -149,7 +149,7 @@ def _put(model, name, b, tp_group, undo) -> None:
 
 def _regions(model, res, tp_group, tp_size, undo) -> None:
     arch = registry.arch(res.arch)
-    for anchor, p in R.regions(res.placements).items():
+    for anchor, p in M.regions(res.placements).items():
         module = model.get_submodule(anchor)
         handle = regions.enter_region(module, tp_group)
         undo.add(handle.remove)
@@ -157,7 +157,7 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
             undo.add(regions.exit_region(module, tp_group).remove)
         if p.style == "moe_split":  # reduce where the partial sums are made: the routed experts' output
             for sub in module.modules():
-                if R._is_experts(sub):
+                if M._is_experts(sub):
                     undo.add(regions.exit_region(sub, tp_group).remove)
         if p.style == "attention":
             _set_heads(module, anchor, res, tp_size, undo)

@@ -137,6 +137,6 @@ def check_feasibility(model_or_config, tp_size: int, family: str | None = None) 
     """
     if isinstance(model_or_config, Dims):
         return report(family or "model", model_sizes(model_or_config), tp_size)
-    from tensorpar.sharding.resolve import model_type, plan_sizes
+    from tensorpar.sharding.sizes import model_type, plan_sizes
     kind = model_type(model_or_config) or type(model_or_config).__name__
     return report(kind, plan_sizes(model_or_config, tp_size), tp_size)

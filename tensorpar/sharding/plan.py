@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def join_name(anchor: str, suffix: str) -> str:
@@ -140,3 +144,25 @@ class Resolution:
 
     def styles(self) -> dict:
         return {n: p.style for n, p in self.placements.items()}
+
+
+@dataclass(frozen=True)
+class StyleContext:
+    tp_group: object
+    tp_size: int
+    tp_rank: int
+    dims: Dims | None
+    in_region: bool  # an enclosing region entry already copies the input into the TP region
+    placement: Placement
+    reduce_later: bool = False  # an enclosing region reduces the block's output once
+
+
+@dataclass
+class Built:
+    """A builder's result: a replacement ``module`` (None: the dense module stays and gets
+    ``params``), the spec of each new parameter (attribute -> ShardSpec, key relative), and the
+    attributes of replicated parameters that need :func:`tensorpar.nn.regions.rank0_only`."""
+    module: nn.Module | None = None
+    specs: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    rank0: tuple = ()

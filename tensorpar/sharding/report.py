@@ -36,10 +36,11 @@ class ParallelizeReport:
     @classmethod
     def of(cls, model, res, tp_group, tp_size, tp_rank, params_total, *, proved) -> "ParallelizeReport":
         styles = {n: p.style for n, p in res.placements.items()}
-        split = set(styles)
-        replicated = [n for n, m in model.named_modules()
-                      if n and n not in split and any(True for _ in m.parameters(recurse=False))]
-        from tensorpar.sharding.prove import blocks
+        replicated = [n for n, m in model.named_modules()  # modules holding only whole parameters
+                      if n and any(True for _ in m.parameters(recurse=False))
+                      and not any(getattr(getattr(p, "tp_spec", None), "is_shard", False)
+                                  for p in m.parameters(recurse=False))]
+        from tensorpar.sharding.probes import blocks
         blist = blocks(model)
         in_blocks = [(n, m) for b, blk in blist for n, m in blk.named_modules(prefix=b)]
         layer_now = sum(p.numel() for _, blk in blist for p in blk.parameters())

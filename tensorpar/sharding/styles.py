@@ -8,14 +8,14 @@ here touches the model: ``parallelize`` commits the results once every builder h
 
 Only modules whose forward tensorpar knows exactly are replaced: ``nn.Linear`` and
 ``nn.Embedding`` and subclasses that keep their forward, GPT-2's ``Conv1D``; an embedding
-subclass with a forward of its own keeps it (:func:`tensorpar.nn.layers.vocab_parallel_like`).
+subclass with a forward of its own keeps it (:func:`tensorpar.nn.rebase.vocab_parallel_like`).
 Parameter styles keep the model's own module and forward (a fused mixture-of-experts module
 indexes its 3-D weights per expert and acts elementwise along the expert width, so a slice of
 that width computes the slice of every expert's output).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,33 +23,13 @@ from torch import nn
 
 from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
                           VocabParallelEmbedding)
-from tensorpar.nn.layers import column_parallel_like, vocab_parallel_like
+from tensorpar.nn.rebase import column_parallel_like, vocab_parallel_like
 from tensorpar.nn.regions import sync_rows_grad
 from tensorpar.sharding import registry
-from tensorpar.sharding.plan import Dims, Placement
+from tensorpar.sharding.param_styles import (param_colwise, param_heads, param_packed_colwise, param_packed_rowwise,
+                                             param_rank0, param_rowwise)
+from tensorpar.sharding.plan import Built, StyleContext
 from tensorpar.sharding.spec import ShardSpec, even_pieces, segment_pieces
-
-
-@dataclass(frozen=True)
-class StyleContext:
-    tp_group: object
-    tp_size: int
-    tp_rank: int
-    dims: Dims | None
-    in_region: bool  # an enclosing region entry already copies the input into the TP region
-    placement: Placement
-    reduce_later: bool = False  # an enclosing region reduces the block's output once
-
-
-@dataclass
-class Built:
-    """A builder's result: a replacement ``module`` (None: the dense module stays and gets
-    ``params``), the spec of each new parameter (attribute -> ShardSpec, key relative), and the
-    attributes of replicated parameters that need :func:`tensorpar.nn.regions.rank0_only`."""
-    module: nn.Module | None = None
-    specs: dict = field(default_factory=dict)
-    params: dict = field(default_factory=dict)
-    rank0: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -284,86 +264,6 @@ def conv1d_qkv(module, ctx, name):
     return Built(mod, {"weight": ShardSpec("", 1, mine, transpose=True), "bias": ShardSpec("", 0, mine)})
 
 
-# ---- parameters of a module that stays (fused experts, attention sinks) --------------------------
-
-def _param_shard(owner, attr, dim, pieces) -> Built:
-    p = getattr(owner, attr)
-    spec = ShardSpec("", dim % p.dim(), tuple(pieces))
-    with torch.no_grad():
-        shard = nn.Parameter(spec.apply(p.detach()), requires_grad=p.requires_grad)
-    return Built(None, {attr: spec}, {attr: shard})
-
-
-def _param_attr(name: str) -> str:
-    return name.rpartition(".")[2]
-
-
-def _split_dim(owner, attr, dim, ctx, name, widths=None):
-    p = getattr(owner, attr, None)
-    if not isinstance(p, nn.Parameter):
-        raise ValueError(f"parameter style on {name!r}: no parameter {attr!r} there")
-    size = p.shape[dim]
-    widths = widths or (size,)
-    if sum(widths) != size or any(w % ctx.tp_size for w in widths):
-        raise ValueError(f"{name!r}: tp_size ({ctx.tp_size}) must divide each of {widths} along dim "
-                         f"{dim % p.dim()} of shape {tuple(p.shape)}")
-    return _param_shard(owner, attr, dim, segment_pieces(tuple(widths), ctx.tp_rank, ctx.tp_size))
-
-
-# Parameter styles name the dim they split by storage, as transformers' declarations do: ``colwise``
-# the second to last (``(E, out, in)``: the output), ``rowwise`` the last (the input; for a weight
-# stored transposed, ``is_transposed``, the output), a 1-D or 2-D bias its last.
-
-def _colwise_dim(p) -> int:
-    return -2 if p.dim() >= 3 else -1
-
-
-def _halves(owner, p, dim):
-    """``[gate | up]`` halves of a fused width, or None when the pairs are interleaved
-    (``is_concatenated=False``: a contiguous block keeps each pair together)."""
-    return (p.shape[dim] // 2,) * 2 if getattr(owner, "is_concatenated", True) else None
-
-
-def param_colwise(owner, ctx, name):
-    """A fused expert weight ``(E, out, in)`` split along out (a bias ``(E, out)`` along its last dim)."""
-    attr = _param_attr(name)
-    return _split_dim(owner, attr, _colwise_dim(getattr(owner, attr)), ctx, name)
-
-
-def param_rowwise(owner, ctx, name):
-    """A fused expert weight split along its last dim: ``(E, out, in)`` by input features (partial
-    sums of every expert's output); a transposed ``(E, in, out)`` by output features."""
-    attr = _param_attr(name)
-    return _split_dim(owner, attr, -1, ctx, name)
-
-
-def param_packed_colwise(owner, ctx, name):
-    """A fused ``[gate | up]`` expert weight ``(E, 2F, H)`` (or bias ``(E, 2F)``) split along F:
-    this rank's gate and up blocks side by side."""
-    attr = _param_attr(name)
-    p = getattr(owner, attr)
-    dim = _colwise_dim(p)
-    return _split_dim(owner, attr, dim, ctx, name, widths=_halves(owner, p, dim))
-
-
-def param_packed_rowwise(owner, ctx, name):
-    """A fused ``[gate | up]`` expert weight stored transposed, ``(E, H, 2F)``: both halves split
-    along F."""
-    attr = _param_attr(name)
-    p = getattr(owner, attr)
-    return _split_dim(owner, attr, -1, ctx, name, widths=_halves(owner, p, -1))
-
-
-def param_heads(owner, ctx, name):
-    """A per-head parameter (attention sinks, ``(n_heads,)``): this rank's query heads."""
-    attr = _param_attr(name)
-    p = getattr(owner, attr)
-    d = ctx.dims
-    if d is None or p.shape[0] != d.n_heads:
-        raise ValueError(f"{name!r}: a per-head parameter needs dim 0 of n_heads ({None if d is None else d.n_heads})")
-    return _param_shard(owner, attr, 0, even_pieces(p.shape[0], ctx.tp_rank, ctx.tp_size))
-
-
 def norm_sharded(module, ctx, name):
     """An RMSNorm over features that a column split shards (OLMo-2's ``q_norm`` over all query
     heads): this rank's features of its weight, the statistic summed over the ranks. Over KV heads
@@ -391,11 +291,6 @@ def norm_sharded(module, ctx, name):
     pieces = even_pieces(width, ctx.tp_rank, ctx.tp_size)
     mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group)
     return Built(mod, {"weight": ShardSpec("", 0, pieces)})
-
-
-def param_rank0(owner, ctx, name):
-    """A replicated bias inside a partial-sum region: added on rank 0 only (``rank0_only``)."""
-    return Built(None, {}, {}, rank0=(_param_attr(name),))
 
 
 def _doc(fn) -> str:

@@ -1,7 +1,7 @@
 """The coverage table: what ``parallelize`` does to every architecture of the test matrix.
 
 ``make coverage`` runs tests/test_models_matrix.py with ``TENSORPAR_COVERAGE=coverage.json`` and then
-``python -m tensorpar.models.coverage coverage.json docs/coverage.md``, which renders one row per
+``python -m tensorpar.cli.coverage coverage.json docs/coverage.md``, which renders one row per
 architecture and tp size from the run's own results: *exact, split* (logits, every gradient and
 every decoding step equal the dense model's, each rank holding at most ``1/tp + 0.1`` of the
 layers), *exact, partly whole* (what stays whole and why), *refused* (the error), or *failed* (the
@@ -56,7 +56,7 @@ def render(results: list) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m tensorpar.models.coverage RESULTS.json OUT.md", file=sys.stderr)
+        print("usage: python -m tensorpar.cli.coverage RESULTS.json OUT.md", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         results = json.load(f)
