@@ -95,6 +95,12 @@ ARCH_SIZES = {
     "deepseek_v2": _MLA, "deepseek_v3": _MLA, "deepseek_v32": _MLA, "glm4_moe_lite": _MLA,
     "glm_moe_dsa": _MLA, "minicpm3": _MLA, "longcat_flash": _MLA, "sarvam_mla": _MLA,
     "axk1": _MLA, "axk2": _MLA, "youtu": _MLA, "kimi_linear": _MLA,
+    # experts switched on (the full-size default has none)
+    # the query-sparse indexer its indexed-attention layers need
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2),
+    "doge": dict(is_moe=True), "gemma4_text": dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                                                   moe_intermediate_size=32),
 }
 
 _DROPOUT_WORDS = ("dropout", "pdrop", "drop_rate")
@@ -131,9 +137,22 @@ def _no_dropout(fields: dict) -> dict:
             if any(w in name for w in _DROPOUT_WORDS) and isinstance(_default(f), float)}
 
 
-def make_tiny_config(arch: str, *, tp: int = 1, **sizes):
+def _layout(cls, layout_of) -> dict:
+    """:func:`~tensorpar.models.layout.layer_layout` of ``layout_of``, else of the class's defaults."""
+    from tensorpar.models.layout import layer_layout
+    if layout_of is None:
+        try:
+            layout_of = cls()
+        except Exception:  # noqa: BLE001 - a class without defaults for every field: its own rule
+            return {}
+    return layer_layout(layout_of)
+
+
+def make_tiny_config(arch: str, *, tp: int = 1, layout_of=None, **sizes):
     """A transformers config of ``arch`` with tiny sizes (split by ``tp`` ranks, see
-    :func:`sizes_for`), dropout off, overridden by ``sizes``."""
+    :func:`sizes_for`), dropout off, overridden by ``sizes``; as many layers as it takes to hold
+    every kind of layer (attention, dense or expert MLP) that ``layout_of`` (default: the
+    architecture's full-size configuration) has."""
     cls = config_class(arch)
     if arch in _TINY:
         fields = _fields(cls)
@@ -144,6 +163,7 @@ def make_tiny_config(arch: str, *, tp: int = 1, **sizes):
     kw.update(_no_dropout(fields))
     if "layer_types" in fields:
         kw["layer_types"] = None  # rebuilt from num_hidden_layers by the config itself
+    kw.update({k: v for k, v in _layout(cls, layout_of).items() if k in fields})
     kw.update(ARCH_SIZES.get(arch, {}))
     kw.update(sizes)
     return cls(**{k: v for k, v in kw.items() if v is not OMIT})

@@ -3,9 +3,10 @@
 Whether a plan computes a model's function exactly depends on the model's code, its
 configuration flags and the plan, not on the weights. So a model on the meta device (what
 ``load_sharded`` builds before reading its shards) is proved through a *replica*: the same class
-built from the same configuration with every size shrunk (:func:`tiny_like`: 2 layers, hidden 64,
-4 query heads over 2 KV heads or as many as the model has, vocabulary 130, ...; every flag, string
-and layout choice kept), random float64 weights drawn from one seed on every rank, parallelized
+built from the same configuration with every size shrunk (:func:`tiny_like`: hidden 64, 4 query
+heads over 2 KV heads or as many as the model has, vocabulary 130, ...; every flag, string and
+layout choice kept; 2 layers, or as many as it takes to hold each kind of layer the model has:
+sliding and full attention, dense and expert MLPs), random float64 weights drawn from one seed on every rank, parallelized
 and proved like any in-memory model. The blocks the replica's proof leaves whole are left whole in
 the real model. A configuration that cannot be shrunk is refused with the reason, unless the
 caller gives up the proof explicitly (``prove=False``).
@@ -37,7 +38,7 @@ def tiny_like(config, tp: int):
     from tensorpar.models.testing import ARCH_SIZES, OMIT, make_tiny_config, sizes_for
     from tensorpar.sharding.sizes import model_dims
     kind = config.model_type
-    tiny = make_tiny_config(kind, tp=tp)
+    tiny = make_tiny_config(kind, tp=tp, layout_of=config)
     sizes = set(sizes_for(tp)) | set(ARCH_SIZES.get(kind, {})) | {"layer_types", "vocab_size"}
     keep = {k: v for k, v in config.to_dict().items()
             if k not in sizes and not k.startswith("_") and isinstance(v, (bool, str))
