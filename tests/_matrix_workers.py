@@ -162,6 +162,8 @@ def check(arch: str, group) -> dict:
     except ValueError as exc:
         return {"status": "refused", "why": str(exc)}
     report = split.tp_report
+    # what the planner and the checkpoint loader build from, before any proof runs
+    unproved = parallelize(copy.deepcopy(dense), tp_group=group, prove=False).tp_report.styles
     cot = None
     out, enc_grads = {}, {}
     encoder = _encoder_states(dense, BATCH)
@@ -188,6 +190,8 @@ def check(arch: str, group) -> dict:
             "float64": precision == torch.float64, "share": _layer_share(split, dense),
             "source": report.source, "whole": dict(report.whole), "tp": report.tp_size,
             "reported": report.status, "layers_replicated": report.layers_replicated[:4],
+            "fallbacks": [n for n in report.notes if "reduced where they are made" in n or "not all-reduced" in n],
+            "proof_changed": sorted(set(report.styles.items()) ^ set(unproved.items()))[:6],
             "seconds": time.time() - t0}
 
 

@@ -160,6 +160,49 @@ def rank0_case(tp, group, rank) -> dict:
     return {"sum": _rel(total, b.detach()), "grad": b.grad.tolist()}
 
 
+class _Experts(nn.Module):
+    """Two experts ``x -> relu(x U_e^T) D_e^T`` weighted by routing weights made outside it (as
+    Gemma-4's decoder layer calls its experts): ``out = sum_e w[:, e] * expert_e(x)``."""
+
+    def __init__(self, up, down):
+        super().__init__()
+        self.up, self.down = nn.Parameter(up), nn.Parameter(down)  # (E, F, H), (E, H, F)
+
+    def forward(self, x, weights):  # x (T, H), weights (T, E)
+        hidden = torch.relu(torch.einsum("th,efh->etf", x, self.up))  # (E, T, F)
+        return torch.einsum("etf,ehf,te->th", hidden, self.down, weights)  # (T, H)
+
+
+def experts_region_case(tp, group, rank) -> dict:
+    """A ``moe_experts`` region: the experts' width split, their partial sums reduced at the
+    module's output, and the routing weights copied in with the hidden states, so the replicated
+    router outside the region gets its whole gradient (copied hidden states only: this rank's share)."""
+    g = torch.Generator().manual_seed(6)
+    up, down = torch.randn(2, 8, 5, generator=g, dtype=D), torch.randn(2, 5, 8, generator=g, dtype=D)
+    router = torch.randn(2, 5, generator=g, dtype=D)
+    x = torch.randn(4, 5, generator=g, dtype=D)
+    cot = torch.randn(4, 5, generator=g, dtype=D)
+
+    def run(experts, r):
+        xi = x.clone().requires_grad_()
+        weights = torch.softmax(xi @ r.T, dim=-1)  # (T, E), replicated
+        out = experts(xi, weights)
+        (out * cot).sum().backward()
+        return out.detach(), xi.grad
+
+    r_dense = router.clone().requires_grad_()
+    dense = _Experts(up.clone(), down.clone())
+    out_d, dx_d = run(dense, r_dense)
+    cols = slice(rank * 8 // tp, (rank + 1) * 8 // tp)
+    split = _Experts(up[:, cols].clone(), down[:, :, cols].clone())
+    regions.enter_region(split, group, all_inputs=True)
+    regions.exit_region(split, group)
+    r_split = router.clone().requires_grad_()
+    out_s, dx_s = run(split, r_split)
+    return {"out": _rel(out_s, out_d), "dx": _rel(dx_s, dx_d), "router": _rel(r_split.grad, r_dense.grad),
+            "up": _rel(split.up.grad, dense.up.grad[:, cols]), "down": _rel(split.down.grad, dense.down.grad[:, :, cols])}
+
+
 def runtime_worker() -> dict:
     torch.set_num_threads(1)
     out = {}
@@ -169,5 +212,6 @@ def runtime_worker() -> dict:
         out[("subclass", tp)] = subclass_case(tp, group, rank)
         out[("grad_sync", tp)] = grad_sync_case(tp, group, rank)
         out[("rank0", tp)] = rank0_case(tp, group, rank)
+        out[("experts_region", tp)] = experts_region_case(tp, group, rank)
     out[("norm_replicated", 4)] = sharded_norm_case(4, None, dist.get_rank(), replicas=2)
     return out

@@ -100,9 +100,9 @@ def test_discovered_plan_pairs_checked_linears_and_equals_dense(results, tp):
     for run in results[("toy", tp)]:
         assert run["source"] == "discovered"
         assert run["rel"] <= 1e-12
-        assert run["styles"] == {"emb": "vocab", "head": "vocab_head",
-                                 "blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
-                                 "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
+        assert run["styles"] == {"emb": "vocab", "head": "vocab_head",  # each pair's parent is its region
+                                 "blocks.0.mlp": "mlp", "blocks.0.mlp.fc1": "colwise", "blocks.0.mlp.fc2": "rowwise",
+                                 "blocks.1.mlp": "mlp", "blocks.1.mlp.fc1": "colwise", "blocks.1.mlp.fc2": "rowwise"}
         assert any(n.startswith("not paired in extra") for n in run["notes"])
         seq = run["sequential"]  # nn.Sequential(Linear, ReLU, Linear) found and split
         assert seq["styles"] == {"0": "colwise", "2": "rowwise"}

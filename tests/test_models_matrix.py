@@ -8,7 +8,10 @@ in float64 throughout (sums of at most a few hundred products reordered by the r
 partial sums: ~1e-15; a missing reduction, a partial gradient or heads paired wrongly: O(1)),
 float32 1e-5 where it computes part of the forward in float32 (MoE routers' softmax: float32
 rounding, 6e-8, summed in another order). Architectures reported as split hold at most
-``1/tp + 0.1`` of the decoder-layer parameters on each rank.
+``1/tp + 0.1`` of the decoder-layer parameters on each rank. Each tiny model holds every kind of
+layer its full-size configuration has (``tensorpar.models.layout``: sliding and full attention,
+linear attention, dense and expert MLPs), so no kind goes untested. The split built without the
+proof (what the planner predicts from) equals the proved one.
 
 ``TENSORPAR_COVERAGE=path.json`` writes the results for ``python -m tensorpar.cli.coverage``,
 which renders the coverage table of the README and docs/coverage.md.
@@ -74,6 +77,17 @@ def test_split_architectures_hold_their_share(arch, tp):
             assert r["share"] <= 1 / tp + 0.1, r["share"]
         else:
             assert r["whole"] or r["layers_replicated"], r
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_proof_keeps_the_plan_the_planner_predicts(arch, tp):
+    """The split ``prove=False`` builds (what ``tensorpar plan`` and the planner's inventory read)
+    is the one the proof keeps: what a proof leaves whole or splits a safer way is recorded in the
+    registry, so the prediction holds for the model that runs."""
+    for r in results().get((arch, tp), []):
+        if r["status"] == "ran":
+            assert not r["proof_changed"], (r["proof_changed"], r["whole"], r["fallbacks"])
 
 
 def test_ranks_agree_on_what_was_split():

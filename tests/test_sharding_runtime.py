@@ -12,7 +12,9 @@ What each catches:
   first pass's gradient on the second; a missing sync leaves this rank's share;
 - ``RowParallelLinear(reduce_output=False)`` inside a region reduced once: the bias added on every
   rank (tp times), or a second reduction;
-- ``rank0_only``: a bias on every rank, or a gradient only on rank 0 (copies drift apart).
+- ``rank0_only``: a bias on every rank, or a gradient only on rank 0 (copies drift apart);
+- ``enter_region(all_inputs=True)`` on a fused experts module with routing weights made outside
+  it: without the weights' input copy the router's gradient is this rank's share only.
 """
 import functools
 
@@ -64,3 +66,9 @@ def test_replicated_gradients_inside_a_region(tp):
 def test_rank0_bias(tp):
     for r in results()[("rank0", tp)]:
         assert r["sum"] <= TOL and r["grad"] == [1.0, 2.0, 3.0], r
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+def test_experts_region_copies_the_routing_weights_in(tp):
+    for r in results()[("experts_region", tp)]:
+        assert max(r["out"], r["dx"], r["router"], r["up"], r["down"]) <= TOL, r

@@ -47,6 +47,14 @@ def replace_input(args, kwargs, x, new):
 CROSS_INPUTS = ("key_value_states", "encoder_hidden_states")
 
 
+def _copy_all(module, args, kwargs, *, group):
+    """``f`` on every floating-point tensor input (a fused experts module's hidden states and
+    routing weights: each one's gradient is partial on every rank)."""
+    def copy(v):
+        return dist.copy_to_tp_region(v, group=group) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
 def _copy_in(module, args, kwargs, *, group):
     x = hidden_input(args, kwargs)
     if x is None:
@@ -61,9 +69,11 @@ def _copy_in(module, args, kwargs, *, group):
     return args, kwargs
 
 
-def enter_region(module, group):
-    """``f`` on ``module``'s hidden-states input; returns the hook handle."""
-    return module.register_forward_pre_hook(partial(_copy_in, group=group), with_kwargs=True)
+def enter_region(module, group, *, all_inputs: bool = False):
+    """``f`` on ``module``'s hidden-states input (``all_inputs``: on every floating-point tensor
+    input); returns the hook handle."""
+    hook = _copy_all if all_inputs else _copy_in
+    return module.register_forward_pre_hook(partial(hook, group=group), with_kwargs=True)
 
 
 def _reduce_out(module, args, output, *, group):
@@ -174,7 +184,9 @@ def sync_rows_grad(param, rows: tuple, slot: int, n_slots: int, group, name: str
     """Rows of a fused projection's shard that several ranks hold alike (one replicated KV head
     beside this rank's query heads): each rank's gradient of them covers its own query heads
     only, so backward sums them over the ranks sharing ``slot`` (the ``ReplicatedHeadLinear``
-    slot scheme: an all-reduce of ``n_slots`` x rows, zeros outside one's own slot).
-    Returns the hook handle."""
+    slot scheme: an all-reduce of ``n_slots`` x rows, zeros outside one's own slot). The
+    parameter keeps ``tp_rows_sync = {"rows", "slot", "n_slots", "name"}`` (what the planner's
+    inventory reads). Returns the hook handle."""
+    param.tp_rows_sync = {"rows": tuple(rows), "slot": slot, "n_slots": n_slots, "name": name}
     return param.register_hook(partial(_rows_grad, rows=tuple(rows), slot=slot, n_slots=n_slots,
                                        group=group, name=name))

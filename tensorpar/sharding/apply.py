@@ -30,7 +30,7 @@ from tensorpar.sharding.certify import certify
 from tensorpar.sharding.feasibility import report as feasibility_report
 from tensorpar.sharding.plan import base_prefix
 from tensorpar.sharding.report import ParallelizeReport
-from tensorpar.sharding.sizes import sizes_of
+from tensorpar.sharding.sizes import attention_dims, sizes_of
 from tensorpar.sharding.styles import REGION_STYLES, STYLES, Built, StyleContext
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
@@ -131,15 +131,16 @@ def _check(model, res, tp_size) -> None:
     res.notes = feas.fixes + res.notes
 
 
-def _in_region(name: str, res) -> bool:
-    regs = M.regions(res.placements)
-    return M.region_of(name, regs) is not None
-
-
-def _reduce_later(name: str, res) -> bool:
-    regs = M.regions(res.placements)
+def _context(model, name: str, p, regs: dict, res, tp_group, tp_size, tp_rank) -> StyleContext:
+    """The builder's context: the sizes (inside an attention region, its module's own heads),
+    whether an enclosing region copies the input in, and whether a ``moe`` region reduces the
+    block's output once for all its partial sums."""
     anchor = M.region_of(name, regs)
-    return anchor is not None and regs[anchor].style == "moe"
+    dims = res.dims
+    if anchor is not None and dims is not None and regs[anchor].style == "attention":
+        dims = attention_dims(model.get_submodule(anchor), dims)
+    return StyleContext(tp_group, tp_size, tp_rank, dims, anchor is not None, p,
+                        reduce_later=anchor is not None and regs[anchor].style in ("moe", "moe_experts"))
 
 
 def _build(model, res, tp_group, tp_size, tp_rank) -> dict:
@@ -147,14 +148,14 @@ def _build(model, res, tp_group, tp_size, tp_rank) -> dict:
     left whole (an ``"auto"`` plan; a user plan raises)."""
     while True:
         built, failed = {}, {}
+        regs = M.regions(res.placements)
         for name, p in res.placements.items():
             style = STYLES[p.style]
             if style.build is None:
                 continue
             owner = model.get_submodule(name.rpartition(".")[0]) if style.target == "param" else (
                 model.get_submodule(name))
-            ctx = StyleContext(tp_group, tp_size, tp_rank, res.dims, _in_region(name, res), p,
-                               reduce_later=_reduce_later(name, res))
+            ctx = _context(model, name, p, regs, res, tp_group, tp_size, tp_rank)
             try:
                 built[name] = style.build(owner, ctx, name)
             except ValueError as exc:

@@ -17,6 +17,7 @@ from torch import nn
 from tensorpar.nn import ReplicatedHeadLinear, regions
 from tensorpar.sharding import registry
 from tensorpar.sharding import marks as M
+from tensorpar.sharding.sizes import attention_dims, is_count
 from tensorpar.sharding.spec import ShardSpec
 
 _MISSING = object()
@@ -151,19 +152,20 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
     arch = registry.arch(res.arch)
     for anchor, p in M.regions(res.placements).items():
         module = model.get_submodule(anchor)
-        handle = regions.enter_region(module, tp_group)
+        handle = regions.enter_region(module, tp_group, all_inputs=p.style == "moe_experts")
         undo.add(handle.remove)
-        if p.style == "moe":
+        if p.style in ("moe", "moe_experts"):
             undo.add(regions.exit_region(module, tp_group).remove)
         if p.style == "moe_split":  # reduce where the partial sums are made: the routed experts' output
             for sub in module.modules():
                 if M._is_experts(sub):
                     undo.add(regions.exit_region(sub, tp_group).remove)
         if p.style == "attention":
-            _set_heads(module, anchor, res, tp_size, undo)
+            dims = attention_dims(module, res.dims)  # the dense module's, before its counts change
+            _set_heads(module, dims, res, tp_size, undo)
             if arch is not None and arch.head_inputs:
                 rank = module_rank(tp_group)
-                hook = partial(_slice_head_inputs, layouts=arch.head_inputs, dims=res.dims,
+                hook = partial(_slice_head_inputs, layouts=arch.head_inputs, dims=dims,
                                tp_size=tp_size, tp_rank=rank)
                 undo.add(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
 
@@ -173,43 +175,23 @@ def module_rank(tp_group) -> int:
     return dist.get_rank(tp_group)
 
 
-_Q_NAMES, _K_NAMES = ("q_proj", "query", "Wq", "q"), ("k_proj", "key", "Wk", "k")
-
-
-def _heads_of(module, names, head_dim) -> int | None:
-    for n in names:
-        width = getattr(getattr(module, n, None), "out_features", None)
-        if width:
-            return width // head_dim
-    return None
-
-
 def module_heads(module, anchor: str, res) -> tuple[int, int]:
-    """``(query heads, KV heads)`` of one attention module: its own head-count attributes, else
-    its q and k projections' widths over the head dim, else the config's (layers of one model may
-    differ: MiMo's sliding-window layers have twice the KV heads of its global ones)."""
-    d = res.dims
-    counts = {what: getattr(module, attr) for attr, what in registry.HEAD_ATTRS.items()
-              if _is_count(getattr(module, attr, None))}
-    q = counts.get("q") or _heads_of(module, _Q_NAMES, d.head_dim)
-    kv = counts.get("kv") or (q // counts["groups"] if q and counts.get("groups") else None) or (
-        _heads_of(module, _K_NAMES, d.head_dim))
-    q = q or (counts["groups"] * kv if kv and counts.get("groups") else d.n_heads)
-    return q, kv or d.n_kv_heads
+    """``(query heads, KV heads)`` of one attention module (:func:`~tensorpar.sharding.sizes.attention_dims`)."""
+    d = attention_dims(module, res.dims)
+    return d.n_heads, d.n_kv_heads
 
 
-def _set_heads(module, anchor, res, tp_size, undo) -> None:
-    """Per-rank head counts on an attention module (and on its own copy of the config where the
-    architecture's attention reads them there)."""
-    d = res.dims
-    q, kv = module_heads(module, anchor, res)
+def _set_heads(module, d, res, tp_size, undo) -> None:
+    """Per-rank head counts on an attention module of dense sizes ``d`` (and on its own copy of
+    the config where the architecture's attention reads them there)."""
+    q, kv = d.n_heads, d.n_kv_heads
     hq, hkv = q // tp_size, (kv // tp_size if kv % tp_size == 0 else 1)
     values = {"q": hq, "kv": hkv, "groups": hq // hkv}
     for attr, what in registry.HEAD_ATTRS.items():
-        if _is_count(getattr(module, attr, None)):
+        if is_count(getattr(module, attr, None)):
             undo.set_attr(module, attr, values[what])
     for attr in res.head_attrs:
-        if _is_count(getattr(module, attr, None)):
+        if is_count(getattr(module, attr, None)):
             heads = hkv if attr in registry.KV_WIDTH_ATTRS else hq
             undo.set_attr(module, attr, heads * d.head_dim)
     if res.head_config and getattr(module, "config", None) is not None:
@@ -218,10 +200,6 @@ def _set_heads(module, anchor, res, tp_size, undo) -> None:
             what = "kv" if "key_value" in field or "kv" in field else "q"
             setattr(local, field, values[what])
         undo.set_attr(module, "config", local)
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _slice_head_inputs(module, args, kwargs, *, layouts, dims, tp_size, tp_rank):
@@ -251,13 +229,15 @@ def tag_params(model, built: dict, tp_size: int, res) -> None:
             if not isinstance(p, nn.Parameter):
                 continue
             p.tp_spec = ShardSpec(f"{prefix}.{attr}", spec.dim, spec.pieces, spec.pad_to, spec.transpose)
-            if isinstance(owner, ReplicatedHeadLinear) or getattr(owner, "replicas", 1) > 1:
-                p.tp_replicas = tp_size // res.dims.n_kv_heads  # one KV head, held by this many ranks
+            if isinstance(owner, ReplicatedHeadLinear):
+                p.tp_replicas = tp_size // owner.n_kv_heads  # one KV head, held by this many ranks
+            elif getattr(owner, "replicas", 1) > 1:
+                p.tp_replicas = owner.replicas
             else:
                 p.tp_replicas = 1 if spec.is_shard else tp_size
             rows = getattr(owner, "replicated_rows", None)
             if rows and p.tp_replicas == 1:  # a fused shard whose KV-head rows other ranks hold too
-                p.tp_row_replicas = (rows, tp_size // res.dims.n_kv_heads)
+                p.tp_row_replicas = (rows, owner.row_replicas)
     for name, p in model.named_parameters():
         if not hasattr(p, "tp_replicas"):
             p.tp_replicas = tp_size  # untouched by the plan: whole on every rank

@@ -13,11 +13,30 @@ from tensorpar.sharding.plan import Dims, Placement, Resolution, parent_name
 from tensorpar.sharding.styles import STYLES, splits_module
 
 
+PARTIAL_SUM_REGIONS = ("moe", "moe_split", "moe_experts")  # regions whose inner row splits leave partial sums
 EXPERTS = "experts"  # internal marker: a mixture-of-experts module whose parameters are split
 
 
 def _under(name: str, anchor: str) -> bool:
     return name.startswith(anchor + ".")
+
+
+def _ancestors(name: str) -> list:
+    """``a.b.c`` -> ``["a.b", "a"]``."""
+    out = []
+    while "." in name:
+        name = name.rpartition(".")[0]
+        out.append(name)
+    return out
+
+
+def _within(name: str, anchors: set) -> bool:
+    """``name`` is one of ``anchors`` or inside one (its ancestors looked up, not every anchor scanned)."""
+    while name:
+        if name in anchors:
+            return True
+        name = name.rpartition(".")[0]
+    return "" in anchors
 
 
 def _is_attention(module) -> bool:
@@ -26,8 +45,19 @@ def _is_attention(module) -> bool:
 
 
 def _is_experts(module) -> bool:
-    """A fused mixture-of-experts module: it holds its experts' weights as 3-D parameters."""
+    """A fused mixture-of-experts module: it holds its experts' weights as 3-D parameters (a
+    convolution's 3-D kernel is not one: Kimi-Linear's short convolutions)."""
+    from torch import nn
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)):
+        return False
     return any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def _is_block(model, name: str) -> bool:
+    """``name`` is a transformer block: an item of a ``ModuleList`` (Gemma-4 calls its experts from
+    the decoder layer, which holds the attention too: no region can be the whole layer)."""
+    from torch import nn
+    return bool(name) and isinstance(model.get_submodule(parent_name(name)), nn.ModuleList)
 
 
 def derive_regions(model, placements: dict) -> dict:
@@ -42,7 +72,7 @@ def derive_regions(model, placements: dict) -> dict:
         elif p.style.startswith("param_") and p.style not in ("param_rank0", "param_heads"):
             owner = parent_name(name)
             fused = owner in experts or _is_experts(model.get_submodule(owner))
-            anchors.add(parent_name(owner) if fused else owner)
+            anchors.add(parent_name(owner) if fused and not _is_block(model, parent_name(owner)) else owner)
     everything = anchors | placed
     outer = {a for a in anchors if a not in placed and not any(_under(a, b) for b in everything if b != a)}
     out = dict(placements)
@@ -50,7 +80,10 @@ def derive_regions(model, placements: dict) -> dict:
         module = model.get_submodule(anchor) if anchor else model
         fused = any(_under(e, anchor) for e in experts) or any(
             _is_experts(m) for m in module.modules())
-        style = "moe" if fused else ("attention" if _is_attention(module) else "mlp")
+        if anchor in experts or _is_experts(module):  # the block itself routes: a region of its own
+            style = "moe_experts"
+        else:
+            style = "moe" if fused else ("attention" if _is_attention(module) else "mlp")
         out[anchor] = Placement(anchor, style, "region of its row split's parent")
     regs = regions(out)
     for inner in [a for a in regs if any(_under(a, b) for b in regs if b != a)]:
@@ -63,13 +96,15 @@ def regions(placements: dict) -> dict:
 
 
 def region_of(name: str, regs: dict) -> str | None:
-    hits = [a for a in regs if _under(name, a)]
-    return min(hits, key=len) if hits else None
+    """The outermost region strictly containing ``name`` (its ancestors looked up)."""
+    return next((a for a in reversed(_ancestors(name)) if a in regs), None)
 
 
 def mark_kv(model, placements: dict, dims: Dims | None) -> dict:
-    """Column linears of attention regions that produce the KV heads -> ``colwise_kv``."""
-    if dims is None or dims.n_kv_heads == dims.n_heads:
+    """Column linears of attention regions that produce the KV heads -> ``colwise_kv`` (by each
+    attention module's own heads: layers of one model may differ)."""
+    from tensorpar.sharding.sizes import attention_dims
+    if dims is None:
         return placements
     regs = regions(placements)
     out = dict(placements)
@@ -79,8 +114,9 @@ def mark_kv(model, placements: dict, dims: Dims | None) -> dict:
         anchor = region_of(name, regs)
         if anchor is None or regs[anchor].style != "attention":
             continue
+        d = attention_dims(model.get_submodule(anchor), dims)
         mod = model.get_submodule(name)
-        if getattr(mod, "out_features", None) == dims.n_kv_heads * dims.head_dim:
+        if d.n_kv_heads != d.n_heads and getattr(mod, "out_features", None) == d.n_kv_heads * d.head_dim:
             out[name] = Placement(name, "colwise_kv", p.why + " (KV heads)", p.options)
     return out
 
@@ -98,7 +134,7 @@ def mark_moe_mlps(model, placements: dict) -> dict:
     out = dict(placements)
     experts = {n for n, p in placements.items() if p.style == EXPERTS}
     for anchor, reg in regs.items():
-        if reg.style not in ("moe", "moe_split"):
+        if reg.style not in ("moe", "moe_split"):  # a moe_experts region holds only the experts
             continue
         for name, module in model.get_submodule(anchor).named_modules():
             full = f"{anchor}.{name}" if name else anchor
@@ -138,8 +174,10 @@ def mark_grad_sync(model, placements: dict) -> dict:
     experts = {n for n, p in placements.items() if p.style == EXPERTS}
     out = {n: p for n, p in placements.items() if p.style != "grad_sync"}
     declared_sync = {n for n, p in placements.items() if p.style == "grad_sync"}
-    for mname, module in model.named_modules():
-        if any(mname == s or _under(mname, s) for s in split if s in dict(model.named_modules())):
+    modules = dict(model.named_modules())
+    split_modules = {s for s in split if s in modules}
+    for mname, module in modules.items():
+        if _within(mname, split_modules):
             continue
         anchor = region_of(mname, regs) if mname not in regs else mname
         for pname, p in module.named_parameters(recurse=False):
@@ -150,7 +188,7 @@ def mark_grad_sync(model, placements: dict) -> dict:
             if anchor is None and not in_decl:
                 continue
             owner_is_experts = mname in experts
-            if owner_is_experts and regs.get(anchor) is not None and regs[anchor].style in ("moe", "moe_split"):
+            if owner_is_experts and regs.get(anchor) is not None and regs[anchor].style in PARTIAL_SUM_REGIONS:
                 out[full] = Placement(full, "param_rank0", "unsplit expert parameter inside the partial sum")
             else:
                 why = "declared replicated_with_grad_allreduce" if in_decl else f"replicated inside region {anchor!r}"

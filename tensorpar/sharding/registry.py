@@ -144,6 +144,7 @@ _BART_DECODER = {"decoder.embed_tokens": "vocab",
                  **_attention("decoder.layers.*.encoder_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
                  **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head",
                  "output_projection": "vocab_head", "proj_out": "vocab_head"}
+_RESHAPES_BY_INPUT = "its forward reshapes the attention output by the input's width (the proof's split raised)"
 _OPT = {"decoder.embed_tokens": "vocab",
         **_attention("decoder.layers.*.self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "colwise"),
         **_pair("decoder.layers.*.fc1", "decoder.layers.*.fc2"), "lm_head": "vocab_head"}
@@ -206,8 +207,12 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("bart", _BART_DECODER), Arch("mbart", _BART_DECODER), Arch("marian", _BART_DECODER),
     Arch("pegasus", _BART_DECODER), Arch("plbart", _BART_DECODER), Arch("blenderbot", _BART_DECODER),
     Arch("blenderbot-small", _BART_DECODER), Arch("bigbird_pegasus", _BART_DECODER),
-    Arch("trocr", _BART_DECODER, head_attrs=("embed_dim",)), Arch("whisper", _BART_DECODER),
-    Arch("mvp", _BART_DECODER),
+    Arch("whisper", _BART_DECODER),
+    # TrOCR's and MVP's attention reshape their output by the width of their input (the model's):
+    # split by heads, the reshape fails; what the proof finds, recorded here.
+    *(Arch(name, _BART_DECODER, whole={"decoder.layers.*.self_attn": _RESHAPES_BY_INPUT,
+                                       "decoder.layers.*.encoder_attn": _RESHAPES_BY_INPUT})
+      for name in ("trocr", "mvp")),
     Arch("openai-gpt", {**_GPT2, "tokens_embed": "vocab"}, head_attrs=("split_size",)),
     Arch("biogpt", _FAIRSEQ), Arch("xglm", _FAIRSEQ),
     Arch("bloom", {"word_embeddings": "vocab", **_NEOX_STYLE, "lm_head": "vocab_head"},
@@ -229,7 +234,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     # Declarations that name the embedding only: the layers split as Llama's.
     Arch("hunyuan_v1_dense", overrides=_llama_layers()),
     Arch("lfm2", overrides=_llama_layers(o="out_proj", mlp="feed_forward", gate="w1", up="w3", down="w2")),
-    Arch("lfm3", overrides=_llama_layers(o="out_proj", mlp="feed_forward", gate="w1", up="w3", down="w2")),
+    # LFM-3's attention gates each head's output by a sigmoid of its own projection (hidden -> heads)
+    Arch("lfm3", overrides={**_llama_layers(mlp="feed_forward", gate="w1", up="w3", down="w2"),
+                            "layers.*.self_attn.g_proj": "colwise"}),
     # GPT-OSS declares the embedding only: attention by heads with the per-head sinks split alike,
     # experts (interleaved gate/up, stored transposed) along their width, the down bias added once.
     Arch("gpt_oss", overrides={**{k: v for k, v in _llama_layers().items() if ".mlp." not in k},
@@ -252,10 +259,24 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
                                                        for n in ("q", "k", "v")}},
          segments={"layers.*.self_attn.q_proj": ("q/2", "q/2"), "layers.*.self_attn.k_proj": ("kv/2", "kv/2"),
                    "layers.*.self_attn.v_proj": ("kv/2", "kv/2")}),
-    Arch("dory", overrides=_llama_layers()),
+    # Dory (nGPT-style) scales the split activations by replicated per-feature vectors; the proof
+    # finds its attention and MLP inexact split, and they stay whole.
+    Arch("dory", overrides=_llama_layers(), whole={
+        "layers.*.self_attn": "a replicated per-feature scale multiplies the split heads (the proof's split raised)",
+        "layers.*.mlp": "a replicated per-feature scale multiplies the split width (the proof's split raised)"}),
+    # Doge's dt_proj maps the values of every KV head to each head's gate: no split of the heads
+    # keeps it local.
+    Arch("doge", whole={"layers.*.self_attn": "dt_proj mixes the values of every KV head (the proof's split raised)"}),
+    # AXK-1 normalises its MoE output inside the block (post_mlp_layernorm): the experts reduce
+    # where they are made, and the norm's gradient, whole on every rank, needs no sync.
+    Arch("axk1", overrides={"layers.*.mlp": "moe_split"}, no_sync=("layers.*.mlp.post_mlp_layernorm.weight",)),
     # Multi-head latent attention the declaration does not name: the low-rank q_a / kv_a projections
     # stay whole (their gradients synchronised), q_b / kv_b split by heads, o_proj by rows.
-    *(Arch(name, overrides=_MLA) for name in ("deepseek_v3", "youtu", "sarvam_mla", "kimi_linear")),
+    *(Arch(name, overrides=_MLA) for name in ("deepseek_v3", "youtu", "sarvam_mla")),
+    # Kimi-Linear's linear-attention layers (also ``self_attn``) run short convolutions over their
+    # projections' channels, which no style splits yet: the attention stays whole.
+    Arch("kimi_linear", overrides=_MLA, whole={
+        "layers.*.self_attn": "its linear-attention layers convolve the projections' channels (the proof's split raised)"}),
     Arch("modernbert-decoder", overrides={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
                                           "layers.*.attn.v_proj": "colwise", "layers.*.attn.Wo": "rowwise",
                                           "layers.*.mlp.Wi": "fused_colwise", "layers.*.mlp.Wo": "rowwise"},
@@ -263,7 +284,9 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("gpt_neox_japanese", {"embed_in": "vocab", "layers.*.attention": "attention",
                                "layers.*.attention.query_key_value": "colwise", "layers.*.attention.dense": "rowwise",
                                **_pair("layers.*.mlp.dense_h_to_4h", "layers.*.mlp.dense_4h_to_h", "layers.*.mlp"),
-                               "embed_out": "vocab_head"}),
+                               "embed_out": "vocab_head"},
+         # its attention adds dense_bias after the reduction: whole on every rank, never synced
+         no_sync=("layers.*.attention.dense_bias",)),
     # Phi-3 declares qkv_proj and gate_up_proj gathered (every rank then computes every head);
     # split per segment, attention runs on this rank's heads.
     Arch("phi3", overrides={"layers.*.self_attn": "attention", "layers.*.self_attn.qkv_proj": "fused_colwise",

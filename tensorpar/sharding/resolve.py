@@ -22,10 +22,11 @@ from __future__ import annotations
 from torch import nn
 
 from tensorpar.sharding import declared, registry
-from tensorpar.sharding.marks import (EXPERTS, _split_names, _under, derive_regions, drop_whole, mark_grad_sync, mark_kv,
+from tensorpar.sharding.marks import (EXPERTS, _ancestors, _split_names, _within, derive_regions, drop_whole, mark_grad_sync, mark_kv,
                                       mark_moe_mlps)
+from tensorpar.sharding.feasibility import generic
 from tensorpar.sharding.plan import Placement, Resolution, base_prefix, compile_plan, match_style, pattern_regex, relative_names
-from tensorpar.sharding.sizes import meta_model, model_dims, model_type, text_config  # noqa: F401 - meta_model: until inventory imports it from sizes
+from tensorpar.sharding.sizes import model_dims, model_type, text_config
 from tensorpar.sharding.styles import STYLES
 
 _VALID = (*STYLES, EXPERTS)
@@ -168,7 +169,9 @@ def resolve(model, plan, tp_size: int, example_inputs=None) -> Resolution:
     res = Resolution(source=source, arch=kind, dims=dims, strict=source == "user",
                      head_attrs=arch.head_attrs if arch else (), head_config=arch.head_config if arch else ())
     if source == "discovered":
-        styles, notes = discover.discover(_runnable(model, tp_size), tp_size, example_inputs)
+        runnable = _runnable(model, tp_size)
+        styles, notes = discover.discover(runnable, tp_size, example_inputs)
+        styles = _onto(model, runnable, styles)
         res.notes += notes
         if not styles:
             raise ValueError(f"unsupported model type {kind or type(model).__name__!r}: it declares no "
@@ -213,21 +216,38 @@ def _complete(model, placements: dict, tp_size: int, example_inputs, res) -> dic
         return placements
     modules = dict(model.named_modules())
     split = {n for n in _split_names(placements) if n in modules}
-    taken = {n for n, m in modules.items() if isinstance(m, nn.Linear)
-             and any(n == s or _under(n, s) or _under(s, n) for s in split)}
+    holding = {a for s in split for a in _ancestors(s)}
+    taken = {n for n, m in modules.items() if isinstance(m, nn.Linear) and (_within(n, split) or n in holding)}
     runnable = _runnable(model, tp_size)
+    if runnable is not model:  # the replica's linears of the kinds the plan splits
+        kinds = {generic(n) for n in taken}
+        taken = {n for n, m in runnable.named_modules() if isinstance(m, nn.Linear) and generic(n) in kinds}
     try:
         inputs = default_inputs(runnable, example_inputs)
         styles, notes = discover.find_pairs(runnable, tp_size, inputs, taken)
     except ValueError as exc:  # the model cannot run on example inputs: the declaration as it is
         res.notes.append(f"declared plan not completed: {exc}")
         return placements
+    styles = _onto(model, runnable, styles)
     res.notes += [n for n in notes if n.startswith("paired")]
     out = dict(placements)
     for name, style in styles.items():
-        if name not in out and not any(_under(name, s) for s in split):
+        if name not in out and not _within(name, split):
             out[name] = Placement(name, style, "discovered: a block the declaration leaves whole")
     return out
+
+
+def _onto(model, runnable, styles: dict) -> dict:
+    """Styles found on a replica, given to the real model's modules of the same generic name (every
+    layer of the kind; the replica holds one layer of each kind the model has). A generic name
+    the replica's layers disagree on gets none."""
+    if runnable is model:
+        return styles
+    by_kind = {}
+    for name, style in styles.items():
+        by_kind.setdefault(generic(name), set()).add(style)
+    return {name: next(iter(by_kind[g])) for name, _ in model.named_modules()
+            if len(by_kind.get(g := generic(name), ())) == 1}
 
 
 def _runnable(model, tp_size: int):

@@ -7,6 +7,8 @@ builds a model on the meta device to plan without weights.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from tensorpar.sharding import registry
@@ -36,6 +38,38 @@ def _size(config, field: str, arch):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+_K_NAMES = ("k_proj", "key", "Wk", "k")
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size")
+
+
+def _heads_of(module, names, head_dim) -> int | None:
+    for n in names:
+        width = getattr(getattr(module, n, None), "out_features", None)
+        if width:
+            return width // head_dim
+    return None
+
+
+def attention_dims(module, dims: Dims) -> Dims:
+    """``dims`` with one attention module's own head counts and head dim. Query heads: its
+    attribute, else the config's (a query projection may be wider than its heads: Qwen3-Next's
+    carries a gate per head). KV heads: its attribute, else query heads over its groups, else its
+    key projection's width over the head dim, else the config's. Layers of one model may differ:
+    Gemma-4's full-attention heads are wider than its sliding ones, MiMo's sliding-window layers
+    have twice the KV heads of its global ones."""
+    head_dim = next((v for a in HEAD_DIM_ATTRS if is_count(v := getattr(module, a, None))), dims.head_dim)
+    counts = {what: getattr(module, attr) for attr, what in registry.HEAD_ATTRS.items()
+              if is_count(getattr(module, attr, None))}
+    q = counts.get("q") or dims.n_heads
+    kv = counts.get("kv") or (q // counts["groups"] if counts.get("groups") else None) or (
+        _heads_of(module, _K_NAMES, head_dim)) or dims.n_kv_heads
+    return replace(dims, n_heads=q, n_kv_heads=kv, head_dim=head_dim)
 
 
 def model_dims(model_or_config) -> Dims | None:

@@ -153,6 +153,7 @@ def fused_colwise(module, ctx, name):
             if p is not None:
                 sync_rows_grad(p, replicated, slot, d.n_kv_heads, ctx.tp_group, f"{name}.{attr}")
         built.module.replicated_rows = tuple(replicated)
+        built.module.row_replicas = ctx.tp_size // d.n_kv_heads
     return built
 
 
@@ -280,6 +281,7 @@ def norm_sharded(module, ctx, name):
         mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group, replicas=replicas)
         sync_rows_grad(mod.weight, ((0, d.head_dim),), head, d.n_kv_heads, ctx.tp_group, f"{name}.weight")
         mod.replicated_rows = ((0, d.head_dim),)
+        mod.row_replicas = replicas
         return Built(mod, {"weight": ShardSpec("", 0, pieces)})
     heads = {d.n_heads * d.head_dim: d.n_heads, d.n_kv_heads * d.head_dim: d.n_kv_heads}.get(width)
     if heads is None and width <= d.head_dim:
@@ -318,6 +320,9 @@ STYLES = {s.name: s for s in (
     Style("moe_split", "region", None, "mixture-of-experts block whose output is not a sum of its "
           "experts' (a norm after them): input copied in once, the routed experts' output and the "
           "shared experts' each all-reduced where they are made"),
+    Style("moe_experts", "region", None, "fused experts module called by its transformer block with "
+          "routing weights made outside it: every floating input copied in (the routing weights' "
+          "gradients are partial too), its partial sums all-reduced at its output"),
     Style("param_colwise", "param", param_colwise, _doc(param_colwise)),
     Style("param_rowwise", "param", param_rowwise, _doc(param_rowwise)),
     Style("param_packed_colwise", "param", param_packed_colwise, _doc(param_packed_colwise)),

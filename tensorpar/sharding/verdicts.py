@@ -98,7 +98,10 @@ def raised_in(exc, model, res) -> str | None:
     if found is None:
         return None
     owners = [p for p in res.placements if found == p or found.startswith(p + ".")]
-    return unit_root(max(owners, key=len), res.placements) if owners else None
+    if owners:
+        return unit_root(max(owners, key=len), res.placements)
+    inside = [p for p in res.placements if p.startswith(found + ".")]  # a module holding splits, not one
+    return unit_root(min(inside, key=len), res.placements) if inside else None
 
 
 def blame(model, res, key, err, tol, params, raised=None, where=None, errors_out=None) -> dict:
