@@ -21,6 +21,7 @@ from torch.autograd.graph import increment_version
 
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
+from tensorpar.dist.groups import refuse_planning
 from tensorpar.dist.ledger import Ledger, active_ledger
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
@@ -28,6 +29,8 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
 
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
             record_to: Ledger | None = None, shape=None, src: int = 0) -> None:
+    """Every collective's first step: a planning stand-in refuses, an open ledger records it."""
+    refuse_planning(group, op)
     led = record_to if record_to is not None else active_ledger()
     if led is not None:
         algorithm = "tree" if tdist.get_backend(group) == "gloo" else "chain"

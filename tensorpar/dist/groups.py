@@ -20,8 +20,49 @@ def _process_group(group):
     return group
 
 
+class PlanningGroup:
+    """A stand-in tensor-parallel group of ``size`` ranks, seen from rank ``rank``: it answers
+    :func:`get_world_size` and :func:`get_rank` and moves no data.
+
+    ``parallelize(meta_model, tp_group=PlanningGroup(tp, r), prove=False)`` runs the real
+    builders for rank ``r`` without processes, so the shards every rank would hold are read from a
+    config alone (``tensorpar.sharding.inventory``). A collective on it raises
+    :class:`PlanningGroupError` (:func:`refuse_planning`, the first step of every collective of
+    :mod:`tensorpar.dist`).
+    """
+
+    def __init__(self, size: int, rank: int):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"PlanningGroup size ({size!r}) must be a positive integer")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"PlanningGroup rank ({rank!r}) must be an integer in [0, {size})")
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __repr__(self) -> str:
+        return f"PlanningGroup(size={self._size}, rank={self._rank})"
+
+
+class PlanningGroupError(RuntimeError):
+    """A collective was issued on a :class:`PlanningGroup`."""
+
+
+def refuse_planning(group, op: str) -> None:
+    """Raise :class:`PlanningGroupError` for a collective ``op`` on a :class:`PlanningGroup`."""
+    if isinstance(group, PlanningGroup):
+        raise PlanningGroupError(f"{op} on {group!r}: a planning stand-in moves no data (use a process "
+                                 f"group from tensorpar.dist.launch or new_group)")
+
+
 def get_rank(group=None) -> int:
     """This process's rank within ``group`` (0 when no process group is initialised)."""
+    if isinstance(group, PlanningGroup):
+        return group.rank()
     pg = _process_group(group)
     if isinstance(pg, tdist.ProcessGroup):
         return pg.rank()
@@ -30,6 +71,8 @@ def get_rank(group=None) -> int:
 
 def get_world_size(group=None) -> int:
     """Ranks in ``group`` (1 when no process group is initialised)."""
+    if isinstance(group, PlanningGroup):
+        return group.size()
     pg = _process_group(group)
     if isinstance(pg, tdist.ProcessGroup):
         return pg.size()
@@ -50,14 +93,17 @@ def new_group(ranks: list[int]):
 
 
 def barrier(group=None) -> None:
+    refuse_planning(group, "barrier")
     if is_initialized():
         tdist.barrier(group=group)
 
 
 def broadcast_object(obj, src: int = 0, group=None):
-    """Every rank returns ``src``'s object (picklable)."""
+    """Every rank returns the object of ``src`` (its rank in ``group``; picklable)."""
+    refuse_planning(group, "broadcast_object")
     if not is_initialized() or get_world_size(group) == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=src, group=group)
+    global_src = tdist.get_global_rank(group, src) if group is not None else src
+    tdist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]

@@ -137,18 +137,10 @@ def run_worker(spec: dict) -> dict:
         split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
-           "bytes_sent": led.total_bytes_sent(), "split": split, "planner_names": _planner_names(model, led.names)}
+           "bytes_sent": led.total_bytes_sent(), "split": split}
     if dist.get_rank() == 0:
         out["dense"] = task(dense_model(spec["path"], dtype), spec)
     return out
-
-
-def _planner_names(model, names: dict) -> dict:
-    """The planner's names for the embedding and the output head -> this model's module names
-    (``names``: the ledger's own map, ``id(module) -> qualified name``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {"embedding": names.get(id(model.get_input_embeddings())),
-            "lm_head": names.get(id(head)) if head is not None else None}
 
 
 @torch.no_grad()
@@ -209,7 +201,7 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
               "predicted": [i.to_dict() for i in predicted.items], "collectives": rank0["records"],
               "predicted_per_layer_bytes_per_rank": predicted.per_layer_bytes_sent_per_rank,
               "per_layer": per_layer(rank0["records"]),
-              "predicted_per_module": _predicted_per_module(predicted, rank0["planner_names"])}
+              "predicted_per_module": _predicted_per_module(predicted)}
     if task["task"] == "generation":
         gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
         ledger["generation"] = {"measured_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
@@ -221,13 +213,13 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
                      result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank])
 
 
-def _predicted_per_module(predicted, names: dict) -> dict:
-    """Rank 0's predicted bytes by module name, for the modules outside the blocks."""
+def _predicted_per_module(predicted) -> dict:
+    """Rank 0's predicted bytes by module name (the ledger's), for the modules outside the blocks
+    (a name with ``*`` is every layer's module of the kind)."""
     out: dict = {}
     for item in predicted.items:
-        module = names.get(item.where)
-        if module is not None:
-            out[module] = out.get(module, 0) + item.total_bytes_sent_per_rank[0]
+        if "*" not in item.where:
+            out[item.where] = out.get(item.where, 0) + item.total_bytes_sent_per_rank[0]
     return out
 
 
@@ -255,9 +247,10 @@ def _decode(path, task, tokens) -> str | None:
 
 
 def _predict(ckpt, tp, dtype, batch, seq, workload, backend, new_tokens=1):
-    """The planner's prediction of every collective each rank issues in this run."""
-    from tensorpar.planner import predict_collectives
+    """The planner's prediction of every collective each rank issues in this run, from the
+    inventory of the checkpoint's architecture (its plan resolved on the meta device)."""
+    from tensorpar.sharding.inventory import predict_collectives
 
     elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    return predict_collectives(ckpt.config, tp, batch, seq, elem, workload, new_tokens=new_tokens,
+    return predict_collectives(ckpt.path, tp, batch, seq, elem, workload, new_tokens=new_tokens,
                                backend=backend)

@@ -13,25 +13,31 @@ Standard library only (no numpy, no torch). Every formula is a small function in
 - :mod:`.feasibility` divisibility and memory checks with fixes and their cost,
 - :mod:`.report` ``plan()``, and :mod:`.search` the layout search,
 - :mod:`.hf` / :mod:`.predict` a Hugging Face model as tensorpar's runtime shards and runs it:
-  parameters per rank and every collective it issues (``predict_collectives``).
+  parameters per rank and every collective it issues (``predict_collectives``);
+- :mod:`.inventory` / :mod:`.runtime` / :mod:`.inventory_plan` any architecture the runtime splits,
+  from its inventory (``tensorpar.sharding.inventory`` builds it): the same prediction
+  (``predict_from_inventory``) and a plan of memory, FLOPs, KV cache and bounds (``plan_inventory``).
 """
 from .comm import CommItem, dp_collectives, pp_collectives, tp_collectives, tp_layer_collectives
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, custom_hardware, get_hardware
 from .hf import params_per_rank
 from .hfconfig import from_hf_config, from_hf_dict
+from .inventory import ModelInventory
+from .inventory_plan import InventoryPlanReport, plan_inventory
 from .layout import Layout
 from .models import PRESETS as MODEL_PRESETS
 from .models import ModelSpec, get_model
 from .params import count_params, param_breakdown, params_per_device
 from .predict import PredictedCollective, RuntimePrediction, predict_collectives
 from .report import PlanReport, plan
+from .runtime import predict_from_inventory
 from .search import SearchResult, search
 
 __all__ = [
-    "CommItem", "HARDWARE_PRESETS", "Hardware", "Layout", "MODEL_PRESETS", "ModelSpec", "PlanReport",
-    "PredictedCollective", "RuntimePrediction", "SearchResult", "count_params", "custom_hardware",
-    "dp_collectives", "from_hf_config", "from_hf_dict", "get_hardware", "get_model", "param_breakdown",
-    "params_per_device", "params_per_rank", "plan", "pp_collectives", "predict_collectives", "search",
-    "tp_collectives", "tp_layer_collectives",
+    "CommItem", "HARDWARE_PRESETS", "Hardware", "InventoryPlanReport", "Layout", "MODEL_PRESETS", "ModelInventory",
+    "ModelSpec", "PlanReport", "PredictedCollective", "RuntimePrediction", "SearchResult", "count_params",
+    "custom_hardware", "dp_collectives", "from_hf_config", "from_hf_dict", "get_hardware", "get_model",
+    "param_breakdown", "params_per_device", "params_per_rank", "plan", "plan_inventory", "pp_collectives",
+    "predict_collectives", "predict_from_inventory", "search", "tp_collectives", "tp_layer_collectives",
 ]

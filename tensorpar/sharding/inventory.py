@@ -1,0 +1,499 @@
+"""The :class:`~tensorpar.planner.inventory.ModelInventory` of any model ``parallelize`` splits,
+from its config alone: no weights read, no forward run.
+
+``build_inventory(config_or_path, tp)`` builds the model on the meta device and, for every rank
+``r``, runs ``parallelize(copy, tp_group=PlanningGroup(tp, r), prove=False)``: the real
+resolution (pairs a plan leaves to discovery are checked on a small replica, as ``load_sharded``
+does) and the real builders, which hold each rank's shards as meta tensors. The proof is left
+out: it needs real collectives. The registry records the blocks a proof leaves whole
+(``Arch.whole``), so the plan is the one ``parallelize`` applies; a block only the proof finds
+inexact, and the registry does not name, is counted here as split. From those models it reads:
+
+- every parameter's shard per rank (``p.tp_spec``, ``p.tp_replicas``: what ``load_sharded``
+  reads from a checkpoint);
+- the collective sites, by the rules the layers follow (each function below names its layer):
+  what a vocabulary split, a column or row split inside or outside a region, a region entry and
+  exit, a replicated KV head and a gradient-synchronised parameter issue per forward call;
+- the FLOPs of every weight matrix, and the attention layers: heads per rank, head sizes,
+  window, KV-cache elements per token (transformers' own cache layer types).
+
+``predict_collectives`` then returns the planner's ``RuntimePrediction`` for any architecture.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from torch import nn
+
+from tensorpar.dist.groups import PlanningGroup
+from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar.nn.norm import ShardedRMSNorm
+from tensorpar.planner.inventory import AttentionLayer, CollectiveSite, Matmul, ModelInventory, ParamShards, RankShard
+from tensorpar.sharding.commit import module_heads
+from tensorpar.sharding.marks import _is_experts
+from tensorpar.sharding.plan import Placement, parent_name
+from tensorpar.sharding.sizes import meta_model, model_dims, text_config
+from tensorpar.sharding.styles import STYLES
+
+EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k", "top_k")
+_CACHED_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention")
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---- the config and the meta model -------------------------------------------------------------------
+
+def load_config(config_or_path):
+    """``(config, name)`` from a transformers config, a ``config.to_dict()`` or a checkpoint
+    directory / ``config.json`` (read locally; nothing is downloaded)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if isinstance(config_or_path, PretrainedConfig):
+        return config_or_path, getattr(config_or_path, "_name_or_path", "") or config_or_path.model_type
+    if isinstance(config_or_path, dict):
+        d = dict(config_or_path)
+    else:
+        path = Path(config_or_path)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no such config.json: {path}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        d.setdefault("_name_or_path", path.parent.name)
+    kind = d.get("model_type")
+    if kind not in CONFIG_MAPPING:
+        import transformers
+        raise ValueError(f"model_type {kind!r} is not known to transformers {transformers.__version__}")
+    fields = {k: v for k, v in d.items() if k not in ("model_type", "transformers_version")}
+    if "torch_dtype" in fields:  # the name older checkpoints use
+        fields.setdefault("dtype", fields.pop("torch_dtype"))
+    return AutoConfig.for_model(kind, **fields), d.get("_name_or_path") or kind
+
+
+def _meta_model(config, head: bool):
+    import transformers
+    from tensorpar.models.testing import model_class
+    declared = (getattr(config, "architectures", None) or [None])[0] if head else None
+    cls = getattr(transformers, declared, None) if declared else None
+    try:
+        return meta_model(config, cls or model_class(config, head))
+    except Exception as exc:  # noqa: BLE001 - any failure to build: the model cannot be planned
+        raise ValueError(f"cannot build a {config.model_type} model from this config on the meta device "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
+def _split(model, tp: int, rank: int):
+    from tensorpar.sharding.apply import parallelize
+    out = copy.deepcopy(model)
+    parallelize(out, tp_group=PlanningGroup(tp, rank), prove=False)
+    return out
+
+
+# ---- the inventory ----------------------------------------------------------------------------
+
+def build_inventory(config_or_path, tp: int, *, head: bool = True) -> ModelInventory:
+    """The inventory of the model of ``config_or_path`` split over ``tp`` ranks. ``head``: the
+    model with its output head (the causal-LM class, the masked-LM class of an encoder), else the
+    bare model. ValueError when tensorpar cannot split it at this tp, with the reason."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp ({tp!r}) must be a positive integer")
+    config, name = load_config(config_or_path)
+    dense = _meta_model(config, head)
+    ranks = [_split(dense, tp, r) for r in range(tp)]
+    report, dims, text = ranks[0].tp_report, model_dims(dense), text_config(config)
+    params = param_shards(dense, ranks)
+    if tp > 1 and not any(r.pieces is not None for p in params for r in p.ranks):
+        why = "; ".join(f"{k}: {v}" for k, v in report.whole.items()) or "its plan splits no module"
+        raise ValueError(f"tensorpar splits nothing of {type(dense).__name__} at tp {tp} ({why})")
+    feas = report.feasibility
+    return ModelInventory(
+        name=str(name), model_type=config.model_type, model_class=type(dense).__name__, tp=tp,
+        plan_source=report.source, head=head, causal=_causal(dense), layers=_layers(text),
+        hidden=dims.hidden if dims else 0, vocab=dims.vocab if dims else 0,
+        params=tuple(params), sites=tuple(collective_sites(ranks[0], dims)),
+        matmuls=tuple(matmuls(dense, ranks, text)), attention=tuple(attention_layers(dense, ranks[0], dims, text, tp)),
+        dtype_bytes=_dtype_bytes(text), n_experts=_first(text, EXPERT_COUNT), top_k=_first(text, EXPERT_TOP_K),
+        valid_tp_sizes=tuple(feas.valid_tp_sizes) if feas else (), fixes=tuple(report.notes),
+        whole=dict(report.whole), notes=tuple(_notes(dense, report)), plan=dict(report.styles),
+        sharded_head=_sharded_head(ranks[0]))
+
+
+def _first(config, names):
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _layers(config) -> int:
+    return _first(config, ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")) or 0
+
+
+def _dtype_bytes(config) -> int | None:
+    dtype = getattr(config, "dtype", None)
+    return _DTYPE_BYTES.get(str(dtype).removeprefix("torch.")) if dtype is not None else None
+
+
+def _causal(model) -> bool:
+    """A decoder that keeps a KV cache: its forward takes one (``past_key_values`` or ``cache``, as
+    ``tensorpar.models.generation`` passes it) and it is no encoder. An encoder: a masked-LM type,
+    or a model whose layers say ``is_decoder = False`` (BERT's kin read it to mask and to cache),
+    neither configured as a decoder nor an encoder-decoder."""
+    import inspect
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
+    config = model.config
+    takes_cache = any(k in inspect.signature(type(model).forward).parameters for k in ("past_key_values", "cache"))
+    encoder_layers = config.model_type in MASKED or any(getattr(m, "is_decoder", None) is False for m in model.modules())
+    encoder = encoder_layers and not getattr(config, "is_decoder", False) and not getattr(config, "is_encoder_decoder", False)
+    return takes_cache and not encoder
+
+
+def _notes(model, report) -> list:
+    notes = ["collective sites assume every module runs once per forward, on every token of the batch"]
+    if any(name.split(".")[-1] == "pooler" for name, _ in model.named_modules()):
+        notes.append("the pooler runs on one token per sequence: its FLOPs are left out of the per-token count")
+    if report.whole:
+        notes.append(f"left whole: {', '.join(sorted(report.whole))}")
+    return notes
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+
+def _tie_groups(model) -> dict:
+    """Every parameter name -> the name ``model.parameters()`` counts it under (its first holder)."""
+    first, canon = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canon[name] = first.setdefault(id(p), name)
+    return canon
+
+
+def _placement_of(name: str, styles: dict) -> tuple[str, str]:
+    """``(style, placement)`` that splits parameter ``name``: its own, its module's, or none."""
+    if name in styles:
+        return styles[name], name
+    owner = parent_name(name)
+    if owner in styles and STYLES[styles[owner]].target == "module":
+        return styles[owner], owner
+    return "replicate", ""
+
+
+def param_shards(dense, ranks) -> list:
+    """:class:`ParamShards` of every dense parameter, read from each rank's ``tp_spec``."""
+    canon = _tie_groups(dense)
+    per_rank = []
+    for model in ranks:
+        shards = {}
+        for p in model.parameters():
+            spec = p.tp_spec
+            shards[canon.get(spec.key, spec.key)] = RankShard(
+                tuple(p.shape), spec.dim, spec.pieces, spec.pad_to, spec.transpose, p.tp_replicas)
+        per_rank.append(shards)
+    tied = {}
+    for name, c in canon.items():
+        if name != c:
+            tied.setdefault(c, []).append(name)
+    styles = ranks[0].tp_report.styles
+    out = []
+    for name, p in dense.named_parameters():
+        style, placement = _placement_of(name, styles)
+        out.append(ParamShards(name, tuple(p.shape), style, placement,
+                               tuple(shards[name] for shards in per_rank), tuple(tied.get(name, ()))))
+    return out
+
+
+# ---- collective sites ------------------------------------------------------------------------------
+
+def collective_sites(model, dims) -> list:
+    """Every collective rank 0's split ``model`` issues per forward call of each module."""
+    styles = model.tp_report.styles
+    placements = {n: Placement(n, s) for n, s in styles.items()}
+    head = _output_head(model)
+    sites = []
+    for name, style in styles.items():
+        kind = STYLES[style].kind
+        if kind == "region":
+            sites += region_sites(model, name, style, placements, dims)
+        elif kind == "param" or style == "grad_sync":
+            sites += param_sites(model, name, style)
+        elif kind == "norm":
+            sites += norm_sites(name, style, model.get_submodule(name))
+        elif kind in ("column", "row", "vocab"):
+            found = module_sites(name, style, model.get_submodule(name))
+            sites += [_as_head(s) for s in found] if name == head else found
+        elif kind != "replicate":
+            raise ValueError(f"the inventory knows no collective rule for style {style!r} ({kind}) on {name!r}")
+    return sites + row_sync_sites(model, styles)
+
+
+def _sharded_head(model) -> bool:
+    """The output head split by vocabulary: ``causal_lm_loss`` then keeps the logits sharded and
+    computes the vocabulary-parallel cross-entropy (three all-reduces), else a local one."""
+    head = _output_head(model)
+    mod = model.get_submodule(head) if head is not None else None
+    return isinstance(mod, ColumnParallelLinear) and mod.tp_size > 1
+
+
+def _output_head(model) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        head = None
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
+def _as_head(site: CollectiveSite) -> CollectiveSite:
+    return replace(site, head=True)
+
+
+def module_sites(name: str, style: str, module) -> list:
+    """The layers' own collectives (``tensorpar.nn.layers``, ``tensorpar.nn.attention``)."""
+    if isinstance(module, VocabParallelEmbedding) or style == "vocab":
+        # VocabParallelEmbedding: all-reduce of the (B, T, H) partial lookups; no backward
+        return [CollectiveSite(name, "all_reduce", "forward", per_token=module.embedding_dim, style=style,
+                               note="partial lookups of the vocabulary shards")]
+    if isinstance(module, ReplicatedHeadLinear):
+        # ReplicatedHeadLinear: one (n_kv, D, H[+1]) slot buffer all-reduced in backward
+        if not any(p.requires_grad for p in module.parameters()):
+            return []
+        rows, cols = module.weight.shape
+        width = cols + (1 if module.bias is not None else 0)
+        return [CollectiveSite(name, "all_reduce", "backward", fixed=module.n_kv_heads * rows * width,
+                               when="train", style=style,
+                               note="gradient of the replicated KV head, one slot per KV head")]
+    if isinstance(module, ColumnParallelLinear) or hasattr(module, "out_features_per_partition"):
+        return _column_sites(name, style, module)  # a ColumnParallelLinear, or a linear subclass rebased on it
+    if isinstance(module, RowParallelLinear):
+        return _row_sites(name, style, module)
+    raise AssertionError(f"{name}: style {style!r} built a {type(module).__name__}")
+
+
+def _column_sites(name, style, mod) -> list:
+    out = []
+    if mod.gather_output:  # all-gather of the padded output, trimmed after
+        # causal_lm_loss keeps a ColumnParallelLinear head's logits sharded; a rebased head gathers
+        toggled = style == "vocab_head" and isinstance(mod, ColumnParallelLinear)
+        out.append(CollectiveSite(name, "all_gather", "forward", per_token=mod.out_features_per_partition * mod.tp_size,
+                                  when="gathered" if toggled else "always", style=style,
+                                  note="output gathered over the ranks (padded columns travel too)"))
+    if not mod.skip_input_comm:  # linear_with_grad_allreduce: dX all-reduced
+        out.append(CollectiveSite(name, "all_reduce", "backward", per_token=mod.in_features, when="train",
+                                  style=style, note="dX of a column split outside any region"))
+    return out
+
+
+def row_sync_sites(model, styles: dict) -> list:
+    """``tensorpar.nn.regions.sync_rows_grad``: rows of a shard that several ranks hold alike (a
+    replicated KV head in a fused projection or a sharded norm) have their gradient summed in an
+    ``(n_slots, rows, ...)`` buffer, named after the parameter."""
+    out = []
+    for pname, p in model.named_parameters():
+        sync = getattr(p, "tp_rows_sync", None)
+        if sync is None or not p.requires_grad:
+            continue
+        rows = sum(b - a for a, b in sync["rows"])
+        out.append(CollectiveSite(sync["name"], "all_reduce", "backward", when="train",
+                                  fixed=sync["n_slots"] * rows * (p[0].numel() if p.dim() > 1 else 1),
+                                  style=styles.get(parent_name(pname), ""),
+                                  note="gradient of rows several ranks hold alike, one slot per KV head"))
+    return out
+
+
+def _row_sites(name, style, mod: RowParallelLinear) -> list:
+    out = []
+    if mod.reduce_output:
+        out.append(CollectiveSite(name, "all_reduce", "forward", per_token=mod.out_features, style=style,
+                                  note="partial sums of the row split"))
+    elif mod.bias is not None and mod.bias.requires_grad:  # partial sum left to the region; bias on rank 0, summed
+        out.append(CollectiveSite(name, "all_reduce", "backward", fixed=mod.bias.numel(), when="train",
+                                  style=style, note="bias gradient of a row split inside a partial-sum region"))
+    if not mod.input_is_parallel:  # scatter_to_tp_region: all-gather of dX
+        out.append(CollectiveSite(name, "all_gather", "backward", per_token=mod.in_features, when="train",
+                                  style=style, note="dX of a row split whose input was whole"))
+    return out
+
+
+def norm_sites(name, style, module) -> list:
+    """``tensorpar.nn.norm.ShardedRMSNorm``: the per-token float32 sum of squares all-reduced
+    forward, and its gradient backward."""
+    if not isinstance(module, ShardedRMSNorm):
+        raise ValueError(f"the inventory knows no collective rule for a {type(module).__name__} ({style!r} on {name!r})")
+    note = "float32 sum of squares of this rank's features, per token"
+    return [CollectiveSite(name, "all_reduce", "forward", per_token=1, style=style, note=note, elem_bytes=4),
+            CollectiveSite(name, "all_reduce", "backward", per_token=1, when="train", style=style,
+                           note="its gradient", elem_bytes=4)]
+
+
+def region_sites(model, name, style, placements, dims) -> list:
+    """``tensorpar.nn.regions``: the entry's f (all-reduce of dX), and a ``moe`` region's g
+    (all-reduce of its output), which the ledger names after the caller: its global hook pops
+    the region before the region's own forward hook runs."""
+    width = _region_width(model, name, placements, dims)
+    out = [CollectiveSite(name, "all_reduce", "backward", per_token=width, when="train", style=style,
+                          note="dX of the block input at the region entry")]
+    if style == "moe":
+        out.append(CollectiveSite(parent_name(name), "all_reduce", "forward", per_token=width, style=style,
+                                  note="partial sums of routed and shared experts, reduced once"))
+    elif style == "moe_experts":
+        out.append(CollectiveSite(name, "all_reduce", "backward", per_token=_top_k(model), when="train",
+                                  style=style, note="gradient of the routing weights at the region entry"))
+        out.append(CollectiveSite(parent_name(name), "all_reduce", "forward", per_token=width, style=style,
+                                  note="partial sums of the routed experts"))
+    elif style == "moe_split":
+        out += [CollectiveSite(parent_name(sub), "all_reduce", "forward", per_token=width, style=style,
+                               note="partial sums of the routed experts, reduced where they are made")
+                for sub, m in model.get_submodule(name).named_modules(prefix=name) if _is_experts(m)]
+    return out
+
+
+_TOP_K_NAMES = ("num_experts_per_tok", "top_k_experts", "moe_topk", "num_experts_per_token", "moe_k", "top_k")
+
+
+def _top_k(model) -> int:
+    """Experts per token: the width of the routing weights a ``moe_experts`` region takes in."""
+    config = text_config(model)
+    for field in _TOP_K_NAMES:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"no experts-per-token count in the config of {type(model).__name__} "
+                     f"(looked for {', '.join(_TOP_K_NAMES)})")
+
+
+def _region_width(model, anchor, placements, dims) -> int:
+    """Width of a region's input, the block's hidden states: the model's hidden size (without
+    head counts, the in_features of a column split inside the region)."""
+    if dims is not None:
+        return dims.hidden
+    for name, p in placements.items():
+        if name.startswith(anchor + ".") and STYLES[p.style].kind == "column":
+            width = getattr(model.get_submodule(name), "in_features", None)
+            if width:
+                return width
+    raise ValueError(f"region {anchor!r}: no hidden size in the config and no column split inside it")
+
+
+def param_sites(model, name, style) -> list:
+    """``grad_sync`` / ``param_rank0`` (``tensorpar.nn.regions``): the parameter's gradient
+    all-reduced once per forward of its module; the split parameter styles issue nothing."""
+    if style not in ("grad_sync", "param_rank0"):
+        return []
+    owner, _, attr = name.rpartition(".")
+    param = getattr(model.get_submodule(owner), attr)
+    if not param.requires_grad:  # frozen: its substitute is skipped, nothing to reduce
+        return []
+    numel = param.numel()
+    return [CollectiveSite(owner, "all_reduce", "backward", fixed=numel, when="train", style=style,
+                           note=f"gradient of the replicated {attr} used on sharded activations")]
+
+
+# ---- FLOPs ------------------------------------------------------------------------------------------
+
+def _skipped(name: str, module) -> bool:
+    """An embedding (a lookup) or a pooler (one token per sequence): no FLOPs per token."""
+    return isinstance(module, (nn.Embedding, VocabParallelEmbedding)) or "pooler" in name.split(".")
+
+
+def _module_matmuls(model, n_experts, top_k) -> dict:
+    """``{parameter name: (kind, forward FLOPs per token)}``: a 2-D ``weight`` does ``2 in out``;
+    a 3-D expert tensor ``(E, ...)`` ``top_k`` of its E matrices per token."""
+    out = {}
+    for mname, module in model.named_modules():
+        if _skipped(mname, module):
+            continue
+        for pname, p in module._parameters.items():
+            full = f"{mname}.{pname}" if mname else pname
+            if p is not None and pname == "weight" and p.dim() == 2:
+                out[full] = ("linear", 2 * p.numel())
+            elif p is not None and p.dim() == 3 and n_experts and top_k and p.shape[0] == n_experts:
+                out[full] = ("experts", 2 * (p.numel() // n_experts) * top_k)
+    return out
+
+
+def matmuls(dense, ranks, config) -> list:
+    """:class:`Matmul` of every weight matrix, dense and on each rank (tied ones under each holder:
+    an output head tied to the embedding still multiplies)."""
+    n_experts, top_k = _first(config, EXPERT_COUNT), _first(config, EXPERT_TOP_K)
+    per_rank = [_module_matmuls(m, n_experts, top_k) for m in ranks]
+    head = _output_head(dense)
+    return [Matmul(name, kind, flops, tuple(r[name][1] for r in per_rank),
+                   head=head is not None and name.startswith(head + "."))
+            for name, (kind, flops) in _module_matmuls(dense, n_experts, top_k).items()]
+
+
+# ---- attention layers and the KV cache -----------------------------------------------------------------
+
+def _layer_index(name: str) -> int | None:
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)
+
+
+def _cache_layers(config) -> list:
+    """``[(kind, window)]`` per layer as transformers' ``DynamicCache`` types them."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    try:
+        kinds, kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config transformers cannot type per layer: every layer full
+        return [("full_attention", None)] * _layers(config)
+    return [(k, kw.get("sliding_window")) for k, kw in zip(kinds, kwargs)]
+
+
+_KEY_NAMES = ("k_proj", "key", "Wk", "k")  # tensorpar.sharding.commit's key projections
+
+
+def _split_attention(styles: dict) -> dict:
+    """``{layer: region}`` of the layers whose attention runs on this rank's heads: an
+    ``attention`` region, or any region holding a column split of the keys or GPT-2's fused qkv."""
+    regs = {n for n, s in styles.items() if STYLES[s].kind == "region"}
+    out = {_layer_index(n): n for n, s in styles.items() if s == "attention"}
+    for name, style in styles.items():
+        keys = STYLES[style].kind == "column" and (name.rpartition(".")[2] in _KEY_NAMES or style == "conv1d_qkv")
+        anchor = parent_name(name)
+        if keys and anchor in regs:
+            out.setdefault(_layer_index(name), anchor)
+    return out
+
+
+def attention_layers(dense, model, dims, config, tp: int) -> list:
+    """One :class:`AttentionLayer` per layer with a KV cache layer (full, sliding, chunked):
+    where the layer's attention is a region, its own heads (``commit.module_heads``: layers may
+    differ) split as ``parallelize`` splits them, else the config's, whole."""
+    if dims is None:
+        return []
+    regions = _split_attention(model.tp_report.styles)
+    qk = getattr(config, "qk_head_dim", None) or dims.head_dim
+    v = getattr(config, "v_head_dim", None) or dims.head_dim
+    latent = getattr(config, "kv_lora_rank", None)
+    out = []
+    for i, (kind, window) in enumerate(_cache_layers(config)):
+        if kind not in _CACHED_KINDS:
+            continue
+        q, kv = dims.n_heads, dims.n_kv_heads
+        hq, hkv = q, kv
+        if i in regions:
+            q, kv = module_heads(dense.get_submodule(regions[i]), regions[i], SimpleNamespace(dims=dims))
+            hq, hkv = q // tp, (kv // tp if kv % tp == 0 else 1)
+        if latent:  # multi-head latent attention caches one latent and one rope key, shared by the heads
+            kv_dense = kv_rank = latent + (getattr(config, "qk_rope_head_dim", None) or 0)
+        else:
+            kv_dense, kv_rank = 2 * kv * dims.head_dim, 2 * hkv * dims.head_dim
+        out.append(AttentionLayer(i, kind, q, (hq,) * tp, qk, v, kv_dense, (kv_rank,) * tp, window))
+    return out
+
+
+# ---- the planner's prediction ---------------------------------------------------------------------------
+
+def predict_collectives(config_or_path, tp: int, batch: int, seq: int, bytes_per_elem: int,
+                        workload: str = "forward", *, new_tokens: int = 1, backend: str = "gloo"):
+    """The planner's ``RuntimePrediction`` (``tensorpar.planner.predict``) of ``workload`` for any
+    architecture ``parallelize`` splits: ``forward`` runs the bare model, every other workload the
+    model with its output head."""
+    from tensorpar.planner.runtime import predict_from_inventory
+    inv = build_inventory(config_or_path, tp, head=workload != "forward")
+    return predict_from_inventory(inv, batch, seq, bytes_per_elem, workload, new_tokens=new_tokens, backend=backend)
