@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tensorpar.bench.mlp import run_mlp_bench
-from tensorpar.bench.report import mlp_table
+from tensorpar.bench.report import mlp_table, models_table, plot_model_ratios
 from tensorpar.bench.timing import paired_ratio
 
 
@@ -42,6 +42,44 @@ def test_mlp_bench_rows_are_complete_and_the_variants_agree():
         assert r["max_abs_diff"] <= 1e-5  # both parallel MLPs compute the dense one (float32)
     table = mlp_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| 16 | 64 | fwd |" in table
+
+
+@pytest.mark.multirank
+def test_models_bench_rows_per_model_and_a_failed_hf_tp_is_a_row(tmp_path):
+    from tensorpar.bench.models import QUICK_MODELS, run_models_bench
+
+    # gpt2: tensorpar splits it, Hugging Face declares no tp_plan for it
+    rows = run_models_bench(repeats=3, models=QUICK_MODELS + (("gpt2", {}),), batch=2, seq=16)
+    archs = ("llama", "mixtral", "phi3", "gpt2")
+    assert [(r["model"], r["pass"]) for r in rows] == [(a, p) for a in archs for p in ("fwd", "train")]
+    layers = 2
+    for r in rows:
+        samples = r["samples_s"]
+        assert len(samples["tensorpar"]) == r["rounds"] == 3 and all(v > 0 for v in r["median_s"].values())
+        assert r["tensorpar_max_abs_diff"] <= 1e-5  # float32
+        assert r["param_bytes_per_rank"] < 0.6 * r["param_bytes_total"]
+        tp_ops = r["collectives"]["tensorpar"]
+        if r["model"] == "gpt2":
+            assert "no `tp_plan`" in r["hf_tp_error"] and r["hf_tp_error"].startswith("from_pretrained")
+            assert r["tensorpar_vs_hf_tp"] is None and r["hf_tp_max_abs_diff"] is None
+            assert "hf_tp" not in samples and "hf_tp" not in r["collectives"]
+            assert r["max_abs_diff"] == r["tensorpar_max_abs_diff"]
+            continue
+        assert r["hf_tp_error"] is None and r["hf_tp_max_abs_diff"] <= 1e-5
+        per_round = sorted(a / b for a, b in zip(samples["tensorpar"], samples["hf_tp"]))
+        assert r["tensorpar_vs_hf_tp"] == pytest.approx(per_round[1], rel=1e-12)
+        if r["pass"] == "fwd":
+            # one all-reduce per attention and one per MLP or MoE layer, one for the embedding; the
+            # logits gathered once
+            assert tp_ops == {"all_gather": 1, "all_reduce": 2 * layers + 1}
+        if r["model"] == "phi3" and r["pass"] == "fwd":  # HF gathers each fused projection's output
+            assert r["collectives"]["hf_tp"]["all_gather"] == 2 * layers + 1
+    table = models_table(rows)
+    assert table.count("\n") == 2 + len(rows)
+    assert table.count("failed: from_pretrained(tp_plan='auto'): ValueError") == 2
+    assert (tmp_path / "models.png") == plot_model_ratios(rows, tmp_path / "models.png",
+                                                          {"tensorpar_vs_hf_tp": "HF", "tensorpar_vs_dense_2t": "dense"}, "t")
+    assert (tmp_path / "models.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("args, message", [

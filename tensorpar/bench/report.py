@@ -20,15 +20,86 @@ def mlp_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+_OP_SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
+
+
+def _ops(counts: dict | None) -> str:
+    """``{"all_reduce": 13, "all_gather": 1}`` -> ``13 AR + 1 AG``."""
+    if counts is None:
+        return "–"
+    return " + ".join(f"{n} {_OP_SHORT.get(op, op)}" for op, n in counts.items()) or "none"
+
+
+def _cell(text: str, limit: int = 110) -> str:
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return text.replace("|", "\\|")
+
+
+def _model_row(r: dict) -> str:
+    med, error, total = r["median_s"], r.get("hf_tp_error"), r["param_bytes_total"]
+    hf_time = f"failed: {_cell(error)}" if error else _ms(med["hf_tp"], 4)
+    vs_hf = "–" if r.get("tensorpar_vs_hf_tp") is None else f"**{r['tensorpar_vs_hf_tp']:.2f}**"
+    hf_bytes = r.get("hf_tp_param_bytes_per_rank")
+    params = f"{r['param_bytes_per_rank'] / total:.3f}, " + ("–" if hf_bytes is None else f"{hf_bytes / total:.3f}")
+    counts = r.get("collectives", {})
+    comm = f"{_ops(counts.get('tensorpar'))}; {_ops(counts.get('hf_tp'))}" if counts else "–"
+    return (f"| {r['label']} | {r['pass']} | {_ms(med['tensorpar'], 4)} | {hf_time} | {_ms(med['dense_2t'], 4)} | "
+            f"{vs_hf} | {r['tensorpar_vs_dense_2t']:.2f} | {params} | {comm} |")
+
+
 def models_table(rows: list[dict]) -> str:
+    """One row per model and pass; where HF's tp_plan failed, its time cell says why."""
     head = ("| model | pass | tensorpar tp=2 | HF tp_plan=auto tp=2 | dense, 2 threads | "
-            "tensorpar / HF TP | tensorpar / dense | params per rank / total |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|\n")
-    med = [r["median_s"] for r in rows]
-    body = [f"| {r['label']} | {r['pass']} | {_ms(m['tensorpar'], 4)} | {_ms(m['hf_tp'], 4)} | "
-            f"{_ms(m['dense_2t'], 4)} | **{r['tensorpar_vs_hf_tp']:.2f}** | {r['tensorpar_vs_dense_2t']:.2f} | "
-            f"{r['param_bytes_per_rank'] / r['param_bytes_total']:.3f} |" for r, m in zip(rows, med)]
-    return head + "\n".join(body) + "\n"
+            "tensorpar / HF TP | tensorpar / dense | params per rank / total (tensorpar, HF) | "
+            "collectives per pass (tensorpar; HF) |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---|\n")
+    return head + "\n".join(_model_row(r) for r in rows) + "\n"
+
+
+_RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0)
+
+
+def plot_model_ratios(rows: list[dict], path: Path, keys: dict, title: str) -> Path:
+    """Grouped bars from parity (1.0), one group per model, one bar per ratio in ``keys``
+    ({row key: legend}), one panel per pass; a ratio that is ``None`` (its baseline failed) is
+    marked on the axis instead of drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    passes = list(dict.fromkeys(r["pass"] for r in rows))
+    fig, axes = plt.subplots(1, len(passes), figsize=(5.5 * len(passes), 4.2), squeeze=False)
+    width = 0.8 / len(keys)
+    for ax, name in zip(axes[0], passes):
+        sel = [r for r in rows if r["pass"] == name]
+        for j, (key, legend) in enumerate(keys.items()):
+            xs = [i + (j - (len(keys) - 1) / 2) * width for i in range(len(sel))]
+            vals = [r.get(key) for r in sel]
+            bars = ax.bar([x for x, v in zip(xs, vals) if v is not None],
+                          [v - 1.0 for v in vals if v is not None], width, bottom=1.0, label=legend)
+            ax.bar_label(bars, labels=[f"{v:.2f}" for v in vals if v is not None], fontsize=7)
+            for x, v in zip(xs, vals):
+                if v is None:
+                    ax.annotate("failed", (x, 1.0), ha="center", va="bottom", fontsize=8, rotation=90, color="red")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_yscale("log")  # ratios: 0.5 and 2 sit equally far from parity
+        shown = [1.0] + [r[k] for r in sel for k in keys if r.get(k) is not None]
+        lo, hi = min(shown) / 1.3, max(shown) * 1.3  # room for the labels at both ends
+        ax.set_ylim(lo, hi)
+        ax.set_yticks([t for t in _RATIO_TICKS if lo <= t <= hi])
+        ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%.2g"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xticks(range(len(sel)), [r["label"] for r in sel], rotation=15, fontsize=8)
+        ax.set_xlim(-0.5, len(sel) - 0.5)  # every slot, a failed one without a bar too
+        ax.set_title(f"{title}: {name}")
+        ax.set_ylabel("time ratio (lower is better for tensorpar)")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(keys))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_ratios(rows: list[dict], path: Path, keys: dict, title: str) -> Path:

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11; the two smallest "
                    "MLP sizes run 5x as many, shorter ones)")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run: the MLP suite at its two smallest sizes, no models suite")
+                   help="a smoke run of the chosen suites: the MLP suite at its two smallest sizes, the models "
+                   "suite's three architectures at ~0.6M parameters and 2x32 tokens")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -30,7 +31,7 @@ def _suites(text: str) -> list[str]:
 
 
 def main(args) -> int:
-    suites = ["mlp"] if args.quick else _suites(args.suite)
+    suites = _suites(args.suite)
     if args.repeats < 3:
         raise ValueError(f"--repeats {args.repeats}: need at least 3 rounds for a median")
     from tensorpar.bench import report
@@ -48,14 +49,14 @@ def main(args) -> int:
             "tensorpar_vs_torch_tp": "tensorpar / PyTorch TP", "tensorpar_vs_floor": "tensorpar / floor",
             "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"}, "TP MLP, tp=2")]
     if "models" in suites:
-        from tensorpar.bench.models import run_models_bench
+        from tensorpar.bench.models import QUICK, run_models_bench
 
-        rows = run_models_bench(args.repeats)
+        rows = run_models_bench(args.repeats, **(QUICK if args.quick else {}))
         results["models"], tables["models"] = rows, report.models_table(rows)
         (out / "models.md").write_text(tables["models"])
-        files += [out / "models.md", report.plot_ratios(rows, out / "models.png", {
+        files += [out / "models.md", report.plot_model_ratios(rows, out / "models.png", {
             "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
-            "~25M Llama, tp=2")]
+            "models, tp=2")]
     files.append(report.write_json(results, out / "results.json"))
     if args.json:
         print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
