@@ -66,14 +66,17 @@ def test_verify_in_bfloat16(checkpoints, dtype, fault, first):
     (["verify", "--model", "{llama}", "--tp", "two"], "--tp 'two' must be comma-separated integers"),
     (["verify", "--model", "{llama}", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
     (["verify", "--model", "{llama}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
-    (["verify", "--model", "{unsupported}"], "model type 't5' in"),
+    (["verify", "--model", "{unknown}"], "model type 'not_a_model' in"),
+    (["verify", "--model", "{corrupt}"], "model.safetensors is not a readable safetensors file"),
 ])
 def test_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, message):
-    bad = tmp_path / "t5"
-    bad.mkdir()
-    (bad / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    (bad / "model.safetensors").write_bytes(b"")
-    args = [a.format(llama=checkpoints["llama"], unsupported=bad) for a in args]
+    dirs = {}
+    for name, model_type in (("unknown", "not_a_model"), ("corrupt", "t5")):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text(json.dumps({"model_type": model_type}))
+        (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header (checked before any rank)
+    args = [a.format(llama=checkpoints["llama"], **dirs) for a in args]
     r = tensorpar(*args)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -34,7 +34,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def open_checkpoint(path) -> Checkpoint:
     """Check ``path`` is a Hugging Face checkpoint directory of an architecture transformers knows,
-    without loading weights."""
+    with readable safetensors headers, without loading weights."""
+    from tensorpar.models.checkpoint import tensor_index
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     path = Path(path)
@@ -57,6 +58,7 @@ def open_checkpoint(path) -> Checkpoint:
     if family not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"model type {family!r} in {cfg_file} is not known to this transformers; "
                          f"tensorpar splits the architectures transformers can build")
+    tensor_index(path)
     return Checkpoint(path, family, config)
 
 

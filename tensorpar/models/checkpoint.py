@@ -158,6 +158,13 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 FLOAT_KINDS = ("F64", "F32", "F16", "BF16")  # what a floating parameter may be stored as
 
 
+def tensor_index(path) -> dict:
+    """``{tensor_name: (file, shape, dtype, nbytes)}`` of the checkpoint in ``path``, from the
+    safetensors headers only: a directory without weights, a corrupt file or an index naming the
+    wrong file raises ``ValueError`` here, before any rank starts."""
+    return _tensor_index(_check_dir(Path(path)))
+
+
 def _file_header(file: Path) -> dict:
     """``{tensor_name: (file, shape, dtype, nbytes)}`` of one file, from its header only."""
     from safetensors import SafetensorError, safe_open
