@@ -60,30 +60,6 @@ def test_verify_in_bfloat16(checkpoints, dtype, fault, first):
     assert out["checks"][0]["first_divergence"] == first and r.returncode == (0 if first is None else 1)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["verify", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
-    (["verify", "--model", "{llama}", "--tp", "3"], "valid tp sizes: 1, 2, 4"),
-    (["verify", "--model", "{llama}", "--tp", "two"], "--tp 'two' must be comma-separated integers"),
-    (["verify", "--model", "{llama}", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
-    (["verify", "--model", "{llama}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
-    (["verify", "--model", "{unknown}"], "model type 'not_a_model' in"),
-    (["verify", "--model", "{corrupt}"], "model.safetensors is not a readable safetensors file"),
-])
-def test_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, message):
-    dirs = {}
-    for name, model_type in (("unknown", "not_a_model"), ("corrupt", "t5")):
-        dirs[name] = tmp_path / name
-        dirs[name].mkdir()
-        (dirs[name] / "config.json").write_text(json.dumps({"model_type": model_type}))
-        (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header (checked before any rank)
-    args = [a.format(llama=checkpoints["llama"], **dirs) for a in args]
-    r = tensorpar(*args)
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and message in lines[0], r.stderr
-    assert r.stdout == ""
-
-
 @pytest.mark.parametrize("tp", [2, 3])
 def test_run_default_minilm_json(tp):
     r = tensorpar("run", "--tp", str(tp), "--json")
@@ -127,8 +103,19 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     assert set(out["ledger"]["per_layer"]) == {"transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
+# User errors: one line on stderr, exit code 2, nothing on stdout, before any rank starts. All cases
+# run in one process (tests/_cli_batch.py calls the entry point's main per command line); the last
+# case of each list goes through the real `tensorpar` executable as well.
+VERIFY_ERRORS = [
+    (["verify", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
+    (["verify", "--model", "{llama}", "--tp", "3"], "valid tp sizes: 1, 2, 4"),
+    (["verify", "--model", "{llama}", "--tp", "two"], "--tp 'two' must be comma-separated integers"),
+    (["verify", "--model", "{llama}", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
+    (["verify", "--model", "{llama}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
+    (["verify", "--model", "{unknown}"], "model type 'not_a_model' in"),
+    (["verify", "--model", "{corrupt}"], "model.safetensors is not a readable safetensors file"),
+]
+RUN_ERRORS = [
     (["run", "--tp", "5"], "valid tp sizes: 1, 2, 3, 4, 6, 12"),
     (["run", "--model", "{llama}", "--prompt", "hello"], "has no tokenizer for --prompt"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,99999"], "invalid: [99999]"),
@@ -136,13 +123,52 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     (["run", "--model", "{llama}", "--sentence", "hi"], "--sentence is for encoders"),
     (["run", "--model", "{broken}"], "config.json is not valid JSON"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--max-new-tokens", "70"], "longer than this model's 64 positions"),
-])
-def test_run_errors_are_one_line_with_exit_code_2(checkpoints, tmp_path, args, message):
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text("{model_type: llama")
-    (broken / "model.safetensors").write_bytes(b"")
-    r = tensorpar(*[a.format(llama=checkpoints["llama"], broken=broken) for a in args])
-    assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and message in lines[0], r.stderr
+    (["run", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
+]
+
+
+@pytest.fixture(scope="module")
+def error_runs(checkpoints, tmp_path_factory):
+    """``{tuple(args): {"rc", "stdout", "stderr"}}`` for every case above."""
+    root = tmp_path_factory.mktemp("bad")
+    dirs = {"llama": checkpoints["llama"]}
+    for name, config in (("unknown", {"model_type": "not_a_model"}), ("corrupt", {"model_type": "t5"}),
+                         ("broken", None)):
+        dirs[name] = root / name
+        dirs[name].mkdir()
+        (dirs[name] / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
+        (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header
+    cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS]
+    filled = [[a.format(**dirs) for a in args] for args in cases]
+    r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(filled)], capture_output=True,
+                       text=True, env=ENV, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr
+    runs = dict(zip(map(tuple, cases), json.loads(r.stdout)))
+    for args in (VERIFY_ERRORS[-1][0], RUN_ERRORS[-1][0]):  # and through the installed entry point
+        real = tensorpar(*[a.format(**dirs) for a in args])
+        runs[("real", *args)] = {"rc": real.returncode, "stdout": real.stdout, "stderr": real.stderr}
+    return runs
+
+
+def _one_line_exit_2(run, message):
+    assert run["rc"] == 2, run["stderr"]
+    lines = [ln for ln in run["stderr"].splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], run["stderr"]
+    assert run["stdout"] == ""
+
+
+@pytest.mark.parametrize("args, message", VERIFY_ERRORS)
+def test_errors_are_one_line_with_exit_code_2(error_runs, args, message):
+    _one_line_exit_2(error_runs[tuple(args)], message)
+
+
+@pytest.mark.parametrize("args, message", RUN_ERRORS)
+def test_run_errors_are_one_line_with_exit_code_2(error_runs, args, message):
+    _one_line_exit_2(error_runs[tuple(args)], message)
+
+
+@pytest.mark.parametrize("args, message", [VERIFY_ERRORS[-1], RUN_ERRORS[-1]])
+def test_the_executable_reports_errors_the_same_way(error_runs, args, message):
+    _one_line_exit_2(error_runs[("real", *args)], message)
+
+

@@ -94,7 +94,9 @@ _MLA = dict(num_key_value_heads=4, head_dim=OMIT)
 ARCH_SIZES = {
     "deepseek_v2": _MLA, "deepseek_v3": _MLA, "deepseek_v32": _MLA, "glm4_moe_lite": _MLA,
     "glm_moe_dsa": _MLA, "minicpm3": _MLA, "longcat_flash": _MLA, "sarvam_mla": _MLA,
-    "axk1": _MLA, "axk2": _MLA, "youtu": _MLA, "kimi_linear": _MLA,
+    "axk1": _MLA, "axk2": _MLA, "youtu": _MLA,
+    # its delta-attention layers default to 32 heads of 128 (reference kernel: ~1 s a pass)
+    "kimi_linear": dict(_MLA, linear_num_heads=4, linear_head_dim=16),
     # experts switched on (the full-size default has none)
     # the query-sparse indexer its indexed-attention layers need
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
