@@ -47,20 +47,22 @@ def main(args) -> int:
 def _show(r) -> None:
     from rich.table import Table
 
+    from tensorpar.jobs.verify import ROUNDING_FACTOR
     from tensorpar.cli.progress import console
 
     con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}, batch {r.batch} x {r.seq} tokens)")
     for c in r.checks:
-        t = Table(title=f"tp={c.tp}: max |split - unsplit| / max |unsplit|, tolerance {c.tolerance_rel:g}",
-                  title_justify="left")
-        for col in ("layer", "activation", "d loss / d activation", "parameter gradients", ""):
+        t = Table(title=f"tp={c.tp}: max |split - unsplit| / max |unsplit|, tolerance {c.tolerance_rel:g}; "
+                        f"excess <= 1: within it, or within {ROUNDING_FACTOR:g}x the unsplit model's own "
+                        f"rounding error (against float64)", title_justify="left")
+        for col in ("layer", "activation", "d loss / d activation", "parameter gradients", "excess", ""):
             t.add_column(col, justify="right")
         for lay in c.layers:
             verdict = ("[green]ok[/]" if lay.ok else "[red]FIRST DIVERGENCE[/]" if lay.name == c.first_divergence
                        else "[yellow]downstream[/]")
             t.add_row(lay.name, f"{lay.activation_rel:.1e}", f"{lay.activation_grad_rel:.1e}",
-                      f"{lay.param_grad_rel:.1e}", verdict)
+                      f"{lay.param_grad_rel:.1e}", f"{lay.excess:.2g}", verdict)
         con.print(t)
         con.print(f"loss: split {c.loss_split:.8g}, unsplit {c.loss_dense:.8g}; "
                   + (f"[red]first divergence: {c.first_divergence}[/]" if c.first_divergence else "[green]all blocks agree[/]"))

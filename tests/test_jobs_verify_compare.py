@@ -1,0 +1,70 @@
+"""`verify`'s comparison, without ranks: what it calls ok and what it calls diverged.
+
+The cases are the two ways the first version judged wrongly: rounding noise on a gradient whose
+exact value is ~0 (a key bias) called a divergence, and a parameter whose gradient the split
+lost called ok. Each is built by hand, so the expected verdict does not come from the code under
+test: a float32 gradient is rounding noise around a float64 value, a wrong one is not.
+"""
+import torch
+
+from tensorpar.jobs.verify import ROUNDING_FACTOR, _excess, _param_grads
+from tensorpar.sharding.spec import ShardSpec
+
+TOL = 1e-5  # float32's tolerance
+
+
+def _param(name, grad, spec=None):
+    p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype))
+    p.grad = grad
+    p.tp_spec = spec or ShardSpec(name)
+    return p
+
+
+def _noise(scale, n=96, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+def test_rounding_noise_on_a_vanishing_gradient_is_not_a_divergence():
+    """Exact 1e-18, unsplit and split float32 each off by rounding noise ~1e-9: their relative
+    difference is O(1), but the split is as accurate as the unsplit model."""
+    exact = _noise(1e-18)
+    dense, split = exact + _noise(1e-9, seed=1), exact + _noise(1e-9, seed=2)
+    rel = (split - dense).abs().max().item() / dense.abs().max().item()
+    assert rel > TOL
+    assert _excess(rel, split, dense, exact, TOL) <= 1
+
+
+def test_an_error_far_above_rounding_is_a_divergence():
+    """The same tensor with the split off by 1e-3 of its size (a partial reduction would be O(1))."""
+    exact = _noise(1.0)
+    dense = exact + _noise(1e-7, seed=1)
+    split = exact * (1 + 1e-3)
+    rel = (split - dense).abs().max().item() / dense.abs().max().item()
+    assert _excess(rel, split, dense, exact, TOL) > 1
+    # and where the split's error is ROUNDING_FACTOR x the unsplit's, exactly at the bound
+    split = exact + ROUNDING_FACTOR * (dense - exact)
+    assert abs(_excess(1.0, split, dense, exact, TOL) - 1.0) < 1e-9
+
+
+def test_without_a_float64_reference_only_the_tolerance_counts():
+    dense = _noise(1e-9)
+    split = dense + _noise(1e-9, seed=3)
+    assert _excess(0.5, split, dense, None, TOL) > 1
+
+
+def test_a_lost_gradient_is_infinitely_wrong():
+    dense = {"w": _param("w", _noise(1.0))}
+    lost = _param("w", _noise(1.0))
+    lost.grad = None
+    assert _param_grads([lost], dense, None, TOL) == (float("inf"), float("inf"))
+    kept = _param("w", dense["w"].grad.clone())
+    assert _param_grads([kept], dense, None, TOL) == (0.0, 0.0)
+
+
+def test_a_shard_is_compared_with_its_own_slice():
+    full = _noise(1.0, n=8)
+    dense = {"w": _param("w", full)}
+    second_half = _param("w", full[4:].clone(), ShardSpec("w", 0, ((4, 8),)))
+    assert _param_grads([second_half], dense, None, TOL)[0] == 0.0
+    wrong_half = _param("w", full[:4].clone(), ShardSpec("w", 0, ((4, 8),)))
+    assert _param_grads([wrong_half], dense, None, TOL)[0] > 1e-3
