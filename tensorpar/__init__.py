@@ -16,6 +16,7 @@ _LAZY = {
     "shard_bytes": "tensorpar.reference",
     "ring_allreduce_bytes": "tensorpar.reference",
     "parallelize": "tensorpar.sharding.apply",
+    "audit": "tensorpar.sharding.audit",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -340,3 +340,38 @@ def sleepy_worker_with_pid(directory):
     with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)
+
+
+def mismatched_worker(kind):
+    """Rank 0 and rank 1 issue different collectives at the same point of their schedules."""
+    x = torch.ones(2, 4)
+    dist.all_reduce(x)  # one agreed collective first: the mismatch is the second
+    if kind == "op":
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(4, 8), module="model.layers.0.mlp")
+        else:
+            dist.all_gather(torch.ones(4, 8), 0, module="model.layers.0.self_attn")
+    elif kind == "extra":  # rank 1 issues a collective rank 0 does not
+        if dist.get_rank() == 1:
+            dist.all_reduce(torch.ones(3))
+        dist.all_gather(torch.ones(5), 0)
+    return "finished"
+
+
+def checked_mismatch_worker():
+    """The rank-side signature check on: both ranks raise naming both calls."""
+    dist.check_collectives(True)
+    try:
+        dist.all_reduce(torch.ones(2, 4) if dist.get_rank() == 0 else torch.ones(4, 2), module="block")
+    except dist.CollectiveMismatchError as exc:
+        return str(exc)
+    return "not detected"
+
+
+def stuck_rank_worker():
+    """Rank 1 never reaches the collective rank 0 waits in."""
+    dist.all_reduce(torch.ones(3))
+    if dist.get_rank() == 1:
+        time.sleep(300)
+    dist.all_reduce(torch.ones(3), module="model.layers.1.mlp")
+    return "finished"

@@ -31,7 +31,8 @@ def test_verify_json_agrees_at_every_layer(checkpoints):
     assert out["ok"] and [c["tp"] for c in out["checks"]] == [2, 4]
     for c in out["checks"]:
         names = [lay["name"] for lay in c["layers"]]
-        assert names == ["embeddings", "block 0", "block 1", "rest (final norm, head)", "loss"]
+        assert names[:5] == ["embeddings", "block 0", "block 1", "rest (final norm, head)", "loss"]
+        assert names[5].startswith("replicas (") and c["layers"][5]["ok"]
         for lay in c["layers"]:
             assert max(lay["activation_rel"], lay["activation_grad_rel"], lay["param_grad_rel"]) <= 1e-5
         assert c["first_divergence"] is None
@@ -127,6 +128,17 @@ VERIFY_ERRORS = [
     (["verify", "--model", "{llama}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
     (["verify", "--model", "{unknown}"], "model type 'not_a_model' in"),
     (["verify", "--model", "{corrupt}"], "model.safetensors is not a readable safetensors file"),
+    # checkpoints a rank would fail on: found in the parent from headers and index alone
+    (["verify", "--model", "{truncated}"], "truncated/model.safetensors is not a readable safetensors file"),
+    (["verify", "--model", "{missing}"], "is missing 1 tensors that LlamaForCausalLM needs, e.g. "
+                                         "['model.layers.1.mlp.down_proj.weight']"),
+    (["verify", "--model", "{reshaped}"], "does not match its config.json: 6 tensors have other shapes, e.g. "
+                                          "['model.layers.0.mlp.gate_proj.weight: checkpoint (96, 48), model (104, 48)'"),
+    (["verify", "--model", "{integer}"], "tensor 'model.norm.weight' is stored as I32, not as a float"),
+    (["verify", "--model", "{outside}"], "names files outside the checkpoint folder: ['../elsewhere.safetensors']"),
+    (["verify", "--model", "{stale}"], "has both model.safetensors and model.safetensors.index.json, which does not "
+                                       "name it: one of them is stale"),
+    (["verify", "--model", "{wrong_index}"], "tensors are not in the file the index names"),
 ]
 RUN_ERRORS = [
     (["run", "--tp", "5"], "valid tp sizes: 1, 2, 3, 4, 6, 12"),
@@ -151,6 +163,7 @@ def error_runs(checkpoints, tmp_path_factory):
         dirs[name].mkdir()
         (dirs[name] / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
         (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header
+    dirs.update(_broken_checkpoints(checkpoints["llama"], root))
     cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS]
     filled = [[a.format(**dirs) for a in args] for args in cases]
     r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(filled)], capture_output=True,
@@ -161,6 +174,42 @@ def error_runs(checkpoints, tmp_path_factory):
         real = tensorpar(*[a.format(**dirs) for a in args])
         runs[("real", *args)] = {"rc": real.returncode, "stdout": real.stdout, "stderr": real.stderr}
     return runs
+
+
+def _broken_checkpoints(good, root) -> dict:
+    """Copies of a good checkpoint, each broken one way."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def copy(name):
+        shutil.copytree(good, root / name)
+        return root / name
+
+    def rewrite(d, change):
+        tensors = load_file(d / "model.safetensors")
+        change(tensors)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+    out = {name: copy(name) for name in ("truncated", "missing", "reshaped", "integer", "outside", "stale",
+                                         "wrong_index")}
+    data = (good / "model.safetensors").read_bytes()
+    (out["truncated"] / "model.safetensors").write_bytes(data[:len(data) // 2])
+    rewrite(out["missing"], lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    config = json.loads((good / "config.json").read_text())
+    (out["reshaped"] / "config.json").write_text(json.dumps({**config, "intermediate_size": 104}))
+    rewrite(out["integer"], lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
+    keys = list(load_file(good / "model.safetensors"))
+    (out["outside"] / "model.safetensors").rename(root / "elsewhere.safetensors")
+    (out["outside"] / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "../elsewhere.safetensors" for k in keys}}))
+    shutil.copy(good / "model.safetensors", out["stale"] / "model-00001-of-00001.safetensors")
+    (out["stale"] / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "model-00001-of-00001.safetensors" for k in keys}}))
+    (out["wrong_index"] / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"not.a.tensor": "model.safetensors", **{k: "model.safetensors" for k in keys}}}))
+    return out
 
 
 def _one_line_exit_2(run, message):

@@ -254,3 +254,85 @@ def test_broadcast_bytes_follow_the_backend_algorithm():
     assert dist.ring_bytes_sent("broadcast", 1000, 1) == 0
     with pytest.raises(ValueError, match="broadcast_algorithm 'star'; valid: chain, tree"):
         dist.ring_bytes_sent("broadcast", 1000, 4, broadcast_algorithm="star")
+
+
+# ---- the flight recorder: mismatched collectives and stuck ranks named ------------------------------
+
+@pytest.mark.parametrize("kind, names", [
+    ("op", ["rank 0 in all_reduce #2 float32[4, 8]", "from model.layers.0.mlp",
+            "rank 1 in all_gather #2 float32[4, 8]", "from model.layers.0.self_attn"]),
+    ("extra", ["rank 0 in all_gather #2 float32[5]", "rank 1 in all_reduce #2 float32[3]"]),
+])
+def test_mismatched_collectives_are_named_within_seconds(kind, names):
+    """Without any rank-side check: the launcher reads where each rank is and stops the launch
+    (a gloo timeout would take `timeout` and blame a healthy rank)."""
+    t0 = time.monotonic()
+    with pytest.raises(dist.MismatchedCollectivesError) as info:
+        dist.launch(W.mismatched_worker, 2, kind, timeout=60, deadline=120)
+    message = str(info.value)
+    for name in names:
+        assert name in message, message
+    assert time.monotonic() - t0 < 30  # seconds, not the 60 s collective timeout
+
+
+def test_ranks_in_different_collectives_of_a_group_are_a_mismatch_once_settled():
+    """Rank 0 in the group's 7th collective, rank 1 still in its 6th: normal for a moment (rank 1
+    leaving the 6th), a mismatch after SETTLE_S; other groups and ranks outside are not compared."""
+    from tensorpar.dist import flight
+    now = time.time()
+
+    def state(seq, t, group=(0, 1), op="all_reduce", where="in"):
+        return {"state": where, "seq": seq, "op": op, "shape": [4], "dtype": "float32", "group": list(group),
+                "module": None, "t": t}
+    assert flight.find_mismatch({0: state(7, now), 1: state(6, now)}) is None
+    late = flight.find_mismatch({0: state(7, now - 10), 1: state(6, now - 10)})
+    assert "ranks 0 and 1 are in different collectives of one group" in late and "all_reduce #6" in late
+    assert flight.find_mismatch({0: state(7, now - 10), 1: state(6, now - 10, group=(1, 2))}) is None
+    assert flight.find_mismatch({0: state(7, now - 10), 1: state(6, now - 10, where="out")}) is None
+    assert "issued different collectives" in flight.find_mismatch({0: state(3, now), 1: state(3, now, op="broadcast")})
+
+
+def test_the_rank_side_check_catches_what_the_backend_would_complete():
+    """An all-reduce of (2, 4) against one of (4, 2) moves the same bytes: gloo completes it.
+    With check_collectives on, every rank raises naming both calls."""
+    for message in dist.launch(W.checked_mismatch_worker, 2, deadline=60):
+        assert "ranks 0 and 1 issued different collectives" in message, message
+        assert "all_reduce #1 float32[2, 4]" in message and "all_reduce #1 float32[4, 2]" in message, message
+
+
+def test_a_stuck_rank_is_named_not_the_one_waiting_for_it():
+    with pytest.raises(dist.RankFailedError) as info:
+        dist.launch(W.stuck_rank_worker, 2, timeout=4, deadline=60)
+    message = str(info.value)
+    assert "rank 0 in all_reduce #2 float32[3] on group [0, 1] from model.layers.1.mlp" in message, message
+    assert "rank 1 not in a collective" in message, message
+
+
+def test_the_deadline_says_where_each_rank_was():
+    with pytest.raises(dist.LaunchTimeoutError) as info:
+        dist.launch(W.stuck_rank_worker, 2, timeout=60, deadline=6)
+    assert "rank 0 in all_reduce #2" in str(info.value) and "rank 1 not in a collective" in str(info.value)
+
+
+def test_a_launch_has_a_deadline_by_default():
+    import inspect
+    from tensorpar.dist import launcher
+    assert launcher.DEFAULT_DEADLINE_S == 3600
+    assert inspect.signature(dist.launch).parameters["deadline"].default is not None
+
+
+def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch):
+    from tensorpar.dist import launcher
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4; pass world_size=4.*unset RANK WORLD_SIZE"):
+        dist.launch(W.pid_worker, 2)
+    assert time.monotonic() - t0 < 2  # at once: no rendezvous was tried
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(launcher, "RENDEZVOUS_S", 2.0)
+    with pytest.raises(ValueError, match=r"rank 0 of 2: no rendezvous at 127.0.0.1:29999 within 2s"):
+        dist.launch(W.pid_worker, 2)
+    assert time.monotonic() - t0 < 15

@@ -4,9 +4,11 @@ The only package that calls torch.distributed. Every collective takes its group 
 (``group=None``: the default, world group).
 """
 from tensorpar.dist.collectives import all_gather, all_reduce, broadcast, reduce_scatter
-from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, barrier, broadcast_object, get_backend, get_rank,
-                                   get_world_size, is_initialized, new_group)
-from tensorpar.dist.launcher import LaunchTimeoutError, RankFailedError, init_from_env, launch, resolve_backend
+from tensorpar.dist.flight import CollectiveMismatchError, check_collectives
+from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
+                                   get_backend, get_rank, get_world_size, is_initialized, new_group)
+from tensorpar.dist.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, init_from_env,
+                                    launch, resolve_backend)
 from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
 from tensorpar.dist.mappings import (
     copy_to_tp_region,
@@ -21,7 +23,9 @@ from tensorpar.dist.mappings import (
 
 __all__ = [
     "launch", "init_from_env", "resolve_backend", "RankFailedError", "LaunchTimeoutError",
-    "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "is_initialized",
+    "CollectiveMismatchError", "MismatchedCollectivesError", "check_collectives",
+    "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "all_gather_object",
+    "is_initialized",
     "PlanningGroup", "PlanningGroupError",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 from torch.autograd.graph import increment_version
 
+from tensorpar.dist import flight
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
 from tensorpar.dist.groups import refuse_planning
@@ -29,7 +30,8 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
 
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
             record_to: Ledger | None = None, shape=None, src: int = 0) -> None:
-    """Every collective's first step: a planning stand-in refuses, an open ledger records it."""
+    """Every collective's first step: a planning stand-in refuses, an open ledger records it (the
+    flight recorder, :mod:`tensorpar.dist.flight`, is around the call itself)."""
     refuse_planning(group, op)
     led = record_to if record_to is not None else active_ledger()
     if led is not None:
@@ -51,7 +53,8 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     if group_size(group) == 1:
         return None if async_op else x
     _record("all_reduce", x, group, phase, module, record_to=record_to)
-    work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
+    with flight.issuing("all_reduce", x, group, module):
+        work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
     increment_version(x)
     return work if async_op else x
 
@@ -66,7 +69,8 @@ def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
     out = moved.new_empty((p * moved.shape[0], *moved.shape[1:]))  # (p*d, ...)
     full = (*x.shape[:dim % x.dim()], p * x.shape[dim], *x.shape[dim % x.dim() + 1:])  # the gathered shape
     _record("all_gather", out, group, phase, module, record_to=record_to, shape=full)
-    tdist.all_gather_single(out, moved, group=group)
+    with flight.issuing("all_gather", moved, group, module):
+        tdist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -79,11 +83,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
     check_divisible(x, dim, p, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
     _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
-    if tdist.get_backend(group) == "gloo":
-        out = _ring_reduce_scatter(moved, group)
-    else:
-        out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
-        tdist.reduce_scatter_single(out, moved, group=group)
+    with flight.issuing("reduce_scatter", moved, group, module):
+        if tdist.get_backend(group) == "gloo":
+            out = _ring_reduce_scatter(moved, group)
+        else:
+            out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
+            tdist.reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -112,7 +117,8 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
         return x
     _record("broadcast", x, group, "forward", module, src=src)
     global_src = tdist.get_global_rank(group, src) if group is not None else src
-    tdist.broadcast(x, src=global_src, group=group)
+    with flight.issuing("broadcast", x, group, module):
+        tdist.broadcast(x, src=global_src, group=group)
     increment_version(x)
     return x
 

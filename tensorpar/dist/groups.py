@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch.distributed as tdist
 
+from tensorpar.dist import flight
+
 
 def is_initialized() -> bool:
     return tdist.is_available() and tdist.is_initialized()
@@ -95,7 +97,19 @@ def new_group(ranks: list[int]):
 def barrier(group=None) -> None:
     refuse_planning(group, "barrier")
     if is_initialized():
-        tdist.barrier(group=group)
+        with flight.issuing("barrier", None, group):
+            tdist.barrier(group=group)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in group-rank order."""
+    refuse_planning(group, "all_gather_object")
+    if not is_initialized() or get_world_size(group) == 1:
+        return [obj]
+    out = [None] * get_world_size(group)
+    with flight.issuing("all_gather_object", None, group):
+        tdist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def broadcast_object(obj, src: int = 0, group=None):
@@ -105,5 +119,6 @@ def broadcast_object(obj, src: int = 0, group=None):
         return obj
     box = [obj]
     global_src = tdist.get_global_rank(group, src) if group is not None else src
-    tdist.broadcast_object_list(box, src=global_src, group=group)
+    with flight.issuing("broadcast_object", None, group):
+        tdist.broadcast_object_list(box, src=global_src, group=group)
     return box[0]

@@ -9,8 +9,13 @@ every rank's result, so user code is the same in both cases.
 Fail-fast: the parent watches every rank. The first rank that raises or dies (a signal, an exit,
 the OOM killer) makes the parent stop all the others and raise :class:`RankFailedError` naming
 that rank and its exception. Collectives carry ``timeout`` seconds, and ``deadline`` bounds the
-whole launch, so nothing waits forever; children also ask the kernel to kill them if the parent
-dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher.
+whole launch (one hour unless given), so nothing waits forever; children also ask the kernel to
+kill them if the parent dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher.
+
+The flight recorder (:mod:`tensorpar.dist.flight`) tells the parent which collective each rank is
+in: two ranks in different collectives of one group stop the launch within seconds with
+:class:`~tensorpar.dist.flight.CollectiveMismatchError` naming both calls, and every failure or
+timeout says where each rank was (a rank in no collective while its peers wait is the stuck one).
 """
 from __future__ import annotations
 
@@ -30,7 +35,14 @@ import warnings
 import torch
 import torch.distributed as tdist
 
+from tensorpar.dist import flight
+
 _POLL_S = 0.05
+_FLIGHT_POLL_S = 0.5
+# A launch with no deadline of its own ends after an hour: a hang never outlives its launcher.
+# Pass ``deadline=None`` for a job meant to run longer.
+DEFAULT_DEADLINE_S = 3600.0
+_DEFAULT = object()
 
 
 class RankFailedError(RuntimeError):
@@ -46,6 +58,14 @@ class LaunchTimeoutError(TimeoutError):
     """The launch ran past its deadline; every rank was stopped."""
 
 
+class MismatchedCollectivesError(RankFailedError):
+    """Two ranks of one group were in different collectives; the launch was stopped."""
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, message)
+        self.rank, self.exc_type, self.detail, self.remote_traceback = -1, "CollectiveMismatchError", message, ""
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     valid = ("auto", "gloo", "nccl")
     if backend not in valid:
@@ -59,22 +79,59 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return all(k in os.environ for k in _TORCHRUN_VARS)
+
+
+# Seconds the ranks of an environment torchrun's agent did not set up (no TORCHELASTIC_RUN_ID)
+# wait for each other: long enough for a launcher starting processes by hand, short enough that
+# variables left over from an earlier torchrun are reported instead of blocking for `timeout`.
+RENDEZVOUS_S = float(os.environ.get("TENSORPAR_RENDEZVOUS_TIMEOUT", "30"))
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); returns ``(rank, world_size)``."""
-    world_size = int(os.environ["WORLD_SIZE"])
+    world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world_size}{_LEFTOVER}")
     if not tdist.is_initialized():
         backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        tdist.init_process_group(backend, init_method="env://",
+        store = None
+        if "TORCHELASTIC_RUN_ID" not in os.environ:  # not torchrun's agent: no store is waiting for us
+            store = _rendezvous(rank, world_size)
+        tdist.init_process_group(backend, init_method=None if store else "env://", store=store,
+                                 rank=rank if store else -1, world_size=world_size if store else -1,
                                  timeout=datetime.timedelta(seconds=timeout))
         # A process that exits with its group alive can abort in the backend's teardown
         # ("terminate called without an active exception"): leave the group on the way out.
         atexit.register(_destroy_if_initialized)
     return tdist.get_rank(), tdist.get_world_size()
+
+
+_LEFTOVER = ("; RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT make tensorpar join a torchrun job. If they "
+             "are left over from an earlier one, unset them (`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`) "
+             "to launch local ranks")
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise ValueError(f"{name}={os.environ[name]!r} is not an integer{_LEFTOVER}") from None
+
+
+def _rendezvous(rank: int, world_size: int):
+    """The TCP store at MASTER_ADDR:MASTER_PORT, every rank joined within ``RENDEZVOUS_S``."""
+    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
+    try:
+        return tdist.TCPStore(addr, port, world_size, is_master=rank == 0, wait_for_workers=True,
+                              timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        raise ValueError(f"rank {rank} of {world_size}: no rendezvous at {addr}:{port} within {RENDEZVOUS_S:g}s "
+                         f"({str(exc).splitlines()[0][:120]}){_LEFTOVER}; or set "
+                         f"TENSORPAR_RENDEZVOUS_TIMEOUT to wait longer") from None
 
 
 def _destroy_if_initialized() -> None:
@@ -83,28 +140,31 @@ def _destroy_if_initialized() -> None:
 
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
-           deadline: float | None = None) -> list:
+           deadline: float | None = _DEFAULT) -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
 
     ``timeout``: seconds any one collective may wait. ``deadline``: seconds the whole launch may
-    take (``None``: no limit beyond the collectives' timeout). ``fn`` must be picklable (a
-    module-level function) and return a picklable value; tensors come back on the CPU.
+    take (default ``DEFAULT_DEADLINE_S``, one hour; ``None``: no limit beyond the collectives'
+    timeout). ``fn`` must be picklable (a module-level function) and return a picklable value;
+    tensors come back on the CPU.
     """
+    deadline = DEFAULT_DEADLINE_S if deadline is _DEFAULT else deadline
     _check_launch_args(fn, world_size, timeout, deadline)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     backend = resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     results: "mp.Queue" = ctx.Queue()
+    slots = [ctx.Array("c", flight.SLOT_BYTES) for _ in range(world_size)]
     with tempfile.TemporaryDirectory(prefix="tensorpar-rdzv-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
-                             args=(rank, world_size, store, backend, timeout, fn, args, results))
+                             args=(rank, world_size, store, backend, timeout, fn, args, results, slots[rank]))
                  for rank in range(world_size)]
         try:
             for p in procs:
                 p.start()
-            return _collect(procs, results, deadline)
+            return _collect(procs, results, deadline, slots)
         finally:
             _stop_all(procs)
             results.close()
@@ -121,8 +181,9 @@ def _check_launch_args(fn, world_size, timeout, deadline) -> None:
         raise ValueError(f"deadline must be positive seconds or None, got {deadline!r}")
 
 
-def _collect(procs, results, deadline) -> list:
+def _collect(procs, results, deadline, slots=None) -> list:
     out, t_end = {}, (time.monotonic() + deadline) if deadline else None
+    t_flight = time.monotonic()
     while len(out) < len(procs):
         failure = _receive(results, out, wait=_POLL_S)
         dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
@@ -130,12 +191,46 @@ def _collect(procs, results, deadline) -> list:
             # A rank that exited may just have sent its result: only a real failure stops the launch.
             failure = _root_cause(procs, results, out, failure)
             if failure is not None:
-                raise failure
+                raise _with_flight(failure, slots, out)
+        if slots is not None and time.monotonic() > t_flight:
+            t_flight = time.monotonic() + _FLIGHT_POLL_S
+            mismatch = flight.find_mismatch(_states(slots, out))
+            if mismatch:
+                raise MismatchedCollectivesError(mismatch)
         if t_end is not None and time.monotonic() > t_end:
             missing = [r for r in range(len(procs)) if r not in out]
             raise LaunchTimeoutError(f"launch passed its deadline of {deadline:g}s; ranks {missing} "
-                                     f"had not finished and were stopped")
+                                     f"had not finished and were stopped" + _where(slots, out))
     return [out[r] for r in range(len(procs))]
+
+
+def _states(slots, out) -> dict:
+    """``{rank: its flight-recorder state}`` for the ranks that have not returned."""
+    return {r: flight.read(slot) for r, slot in enumerate(slots) if r not in out}
+
+
+def _where(slots, out) -> str:
+    if slots is None:
+        return ""
+    states = _states(slots, out)
+    return "; where each rank was: " + "; ".join(f"rank {r} {flight.describe(s)}" for r, s in states.items())
+
+
+def _with_flight(failure: RankFailedError, slots, out) -> RankFailedError:
+    """The failure, with a mismatch the recorder saw as its cause, else where every rank was."""
+    if slots is None:
+        return failure
+    states = _states(slots, out)
+    mismatch = flight.find_mismatch(states)
+    if mismatch and failure.exc_type != "CollectiveMismatchError":
+        return MismatchedCollectivesError(f"{mismatch} (then rank {failure.rank} failed: {failure.exc_type}: "
+                                          f"{failure.detail.splitlines()[0][:300]})")
+    if any(s is not None for s in states.values()):
+        failure.detail += _where(slots, out)
+        failure.args = (f"rank {failure.rank} failed: {failure.exc_type}: {failure.detail}"
+                        + (f"\n--- traceback on rank {failure.rank} ---\n{failure.remote_traceback}"
+                           if failure.remote_traceback else ""),)
+    return failure
 
 
 def _receive(results, out: dict, wait: float) -> "RankFailedError | None":
@@ -202,8 +297,10 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's terminate/kill still stops this rank
 
 
-def _rank_main(rank, world_size, store, backend, timeout, fn, args, results) -> None:
+def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None) -> None:
     _die_with_parent()
+    if slot is not None:
+        flight.install(slot)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -268,10 +365,11 @@ def _to_cpu(value):
 
 
 def _run_under_torchrun(fn, world_size, args, backend, timeout) -> list:
-    _, env_world = init_from_env(backend, timeout)
-    if env_world != world_size:
+    env_world = _env_int("WORLD_SIZE")
+    if env_world != world_size:  # checked before any rendezvous: nothing waits
         raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}; "
-                         f"pass world_size={env_world}")
+                         f"pass world_size={env_world}{_LEFTOVER}")
+    init_from_env(backend, timeout)
     value = _to_cpu(fn(*args))
     gathered = [None] * env_world
     tdist.all_gather_object(gathered, value)

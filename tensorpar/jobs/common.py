@@ -33,9 +33,10 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def open_checkpoint(path) -> Checkpoint:
-    """Check ``path`` is a Hugging Face checkpoint directory of an architecture transformers knows,
-    with readable safetensors headers, without loading weights."""
-    from tensorpar.models.checkpoint import tensor_index
+    """Check ``path`` is a Hugging Face checkpoint directory of an architecture transformers knows
+    and holds every tensor its model needs, with its shape (headers and index only, no weights
+    read: :func:`~tensorpar.models.checkpoint.check_checkpoint`), before any rank starts."""
+    from tensorpar.models.checkpoint import check_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     path = Path(path)
@@ -46,7 +47,7 @@ def open_checkpoint(path) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
         raise ValueError(f"{path} has no *.safetensors weights; tensorpar loads safetensors checkpoints")
     try:
         config = json.loads(cfg_file.read_text())
@@ -58,7 +59,7 @@ def open_checkpoint(path) -> Checkpoint:
     if family not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"model type {family!r} in {cfg_file} is not known to this transformers; "
                          f"tensorpar splits the architectures transformers can build")
-    tensor_index(path)
+    check_checkpoint(path)
     return Checkpoint(path, family, config)
 
 

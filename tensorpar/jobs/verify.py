@@ -63,6 +63,7 @@ class TPCheck:
     layers: list = field(default_factory=list)
     loss_split: float = 0.0
     loss_dense: float = 0.0
+    replicas: str = ""  # tensorpar.audit's verdict on the replicated tensors
 
     @property
     def first_divergence(self) -> str | None:
@@ -127,8 +128,10 @@ def _n_layers(config: dict) -> int:
 def verify_worker(spec: dict):
     """Every rank runs both models; each compares its own shards; the worst figures are reduced."""
     from tensorpar.models.checkpoint import load_sharded
+    from tensorpar.sharding.audit import audit
 
     quiet_transformers()
+    dist.check_collectives(True)  # every collective's signature compared across the ranks first
     dtype = DTYPES[spec["dtype"]]
     split, _ = load_sharded(spec["path"], dtype=dtype)
     dense = dense_model(spec["path"], dtype)
@@ -143,6 +146,7 @@ def verify_worker(spec: dict):
         ref = dense_model(spec["path"], torch.float64)
         exact = (ref, _forward_backward(ref, inputs, spec["decoder"])[0])
     rows = _rows(split, dense, s_acts, d_acts, tol, exact)  # (n_rows, 4): this rank's worst figures
+    replicas = audit(split, grads=True)  # every replicated tensor and its gradient equal on every rank
     worst = torch.tensor(rows, dtype=torch.float64)
     dist.all_reduce(worst, split.tp_report.tp_group, op="max")  # the worst over every rank's shards
     if dist.get_rank() != 0:
@@ -152,6 +156,9 @@ def verify_worker(spec: dict):
     for name, (act, grad, pgrad, excess) in zip(_row_names(split), worst.tolist()):
         check.layers.append(LayerCheck(name, act, grad, pgrad, excess <= 1.0, excess))
     check.layers.append(LayerCheck("loss", loss_rel, 0.0, 0.0, loss_rel <= tol, loss_rel / tol))
+    check.layers.append(LayerCheck(f"replicas ({replicas.checked} tensors, bit-identical)", 0.0, 0.0, 0.0,
+                                   replicas.ok, 0.0 if replicas.ok else float("inf")))
+    check.replicas = replicas.message()
     return check
 
 

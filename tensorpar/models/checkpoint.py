@@ -100,13 +100,21 @@ def _check_dir(path: Path) -> dict:
         raise ValueError(f"checkpoint directory {str(path)!r} has no config.json; found "
                          f"{sorted(p.name for p in path.iterdir())}")
     index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
     if index.is_file():
         weight_map = _read_index(index)
+        root = path.resolve()
+        outside = sorted({f for f in weight_map.values() if root not in (path / f).resolve().parents})
+        if outside:
+            raise ValueError(f"{index} names files outside the checkpoint folder: {outside[:3]}; tensorpar reads "
+                             f"only files inside {str(path)!r}")
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise ValueError(f"checkpoint {str(path)!r}: index names files that are missing: {missing}")
+        if single.is_file() and "model.safetensors" not in weight_map.values():
+            raise ValueError(f"checkpoint {str(path)!r} has both model.safetensors and {index.name}, which does "
+                             f"not name it: one of them is stale; remove the one that does not belong")
         return {k: path / f for k, f in weight_map.items()}
-    single = path / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"checkpoint directory {str(path)!r} has neither model.safetensors nor "
                          f"model.safetensors.index.json; found {sorted(p.name for p in path.iterdir())}")
@@ -158,11 +166,22 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
 FLOAT_KINDS = ("F64", "F32", "F16", "BF16")  # what a floating parameter may be stored as
 
 
-def tensor_index(path) -> dict:
-    """``{tensor_name: (file, shape, dtype, nbytes)}`` of the checkpoint in ``path``, from the
-    safetensors headers only: a directory without weights, a corrupt file or an index naming the
-    wrong file raises ``ValueError`` here, before any rank starts."""
-    return _tensor_index(_check_dir(Path(path)))
+def check_checkpoint(path, *, model_class=None) -> dict:
+    """Everything ``load_sharded`` checks before it reads a weight, for a parent process to run
+    before any rank starts: the directory, the index (every file it names inside the folder and
+    present, no stale index beside a single file), every safetensors header, config.json, and every
+    tensor the model needs present with its shape and a float storage (through transformers' own
+    checkpoint conversions, on a meta-device model). Returns ``{tensor_name: (file, shape, dtype,
+    nbytes)}``; raises ``ValueError`` naming the file and tensor. Reads headers only."""
+    from tensorpar.sharding.sizes import meta_model
+
+    path = Path(path)
+    files, config = _check_dir(path), _read_config(path)
+    meta = _tensor_index(files)
+    model = meta_model(config, model_class)
+    sources, _ = map_checkpoint(model, {k: m[1] for k, m in meta.items()})
+    _check_tensors(model, sources, meta, path)
+    return meta
 
 
 def _file_header(file: Path) -> dict:
@@ -188,7 +207,8 @@ def _tensor_index(files: dict) -> dict:
         return headers[files[None]]
     absent = [f"{k} (index: {f.name})" for k, f in files.items() if k not in headers[f]]
     if absent:
-        raise ValueError(f"{len(absent)} tensors are not in the file the index names, e.g. {absent[:3]}")
+        index = next(iter(files.values())).parent / "model.safetensors.index.json"
+        raise ValueError(f"{index}: {len(absent)} tensors are not in the file the index names, e.g. {absent[:3]}")
     return {k: headers[f][k] for k, f in files.items()}
 
 

@@ -44,6 +44,9 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_i
     _check(input_ids, max_new_tokens)
     report = getattr(model, "tp_report", None)
     sharded = report is not None and report.tp_size > 1
+    if sharded:  # ranks given different prompts would decode a model no one has: refuse
+        from tensorpar.sharding.audit import check_same_inputs
+        check_same_inputs(report.tp_group, input_ids=input_ids, max_new_tokens=max_new_tokens)
     kwarg, cache, ids = _cache_kwarg(model), None, input_ids
     step = input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)

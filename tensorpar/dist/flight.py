@@ -1,0 +1,160 @@
+"""The flight recorder: which collective each rank is in, so a hang or a mismatch is named.
+
+Every collective tensorpar issues (:mod:`tensorpar.dist.collectives`, ``barrier``,
+``broadcast_object``) passes through :func:`issuing`: it counts the collectives of each group
+(``seq``) and, on a rank started by :func:`~tensorpar.dist.launcher.launch`, writes what it is
+entering into a small shared-memory slot the launching process reads: ``{"state": "in" | "out",
+"seq", "op", "shape", "dtype", "group", "module", "t"}``. Cost: one JSON write of ~200 bytes under
+a lock per collective (microseconds, against ~1 ms for a gloo collective on loopback).
+
+The launcher reads the slots every half second and stops the launch with
+:class:`CollectiveMismatchError` when two ranks of one group sit in the same collective (same
+``seq``) issued differently (another op, shape or dtype), or in different ones for longer than a
+peer can take to leave the previous one; when a rank fails, dies or the deadline passes, it
+names the collective each rank was in (or that a rank was in none: the stuck one).
+
+Rank-side checking (``TENSORPAR_CHECK_COLLECTIVES=1``, or :func:`check_collectives`): before each
+collective the group exchanges a signature (one all-gather of 8 int64 per collective) and every
+rank raises :class:`CollectiveMismatchError` naming both calls if they differ. This also catches a
+mismatch that the backend would complete silently (an all-reduce of a (2, 4) tensor against one of
+(4, 2) exchanges the same bytes). It doubles the number of collectives: measured on 2 gloo ranks
+over loopback, an all-reduce of 384 floats took 1.1-1.2 ms without it and 1.8-2.3 ms with it. So it
+is off by default and on in ``tensorpar verify`` and the test suite.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as tdist
+
+SLOT_BYTES = 1024
+_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "broadcast_object",
+        "all_gather_object")
+_SLOT = None  # this rank's shared slot (set by the launcher in a spawned rank)
+_SEQ: dict = {}  # group ranks -> collectives issued on it
+_GROUP_RANKS: dict = {}
+_CHECK = [os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "") not in ("", "0")]
+# Two ranks of a group in different collectives for this long cannot be one still leaving the
+# previous collective (that takes microseconds to milliseconds): the schedules differ.
+SETTLE_S = 3.0
+
+
+class CollectiveMismatchError(RuntimeError):
+    """The ranks of a group issued different collectives (op, shape, dtype or order)."""
+
+
+def install(slot) -> None:
+    """Called by the launcher in each spawned rank: where this rank reports."""
+    global _SLOT
+    _SLOT = slot
+
+
+def check_collectives(enabled: bool = True) -> None:
+    """Turn the rank-side signature check on or off for this process."""
+    _CHECK[0] = bool(enabled)
+
+
+def _ranks_of(group) -> tuple:
+    key = id(group)
+    if key not in _GROUP_RANKS:
+        _GROUP_RANKS[key] = tuple(tdist.get_process_group_ranks(group if group is not None else tdist.group.WORLD))
+    return _GROUP_RANKS[key]
+
+
+def _write(state: dict) -> None:
+    data = json.dumps(state).encode()[:SLOT_BYTES - 1]
+    with _SLOT.get_lock():
+        _SLOT.raw = data + b"\0" * (SLOT_BYTES - len(data))
+
+
+def read(slot) -> dict | None:
+    """The last state a rank wrote into ``slot`` (None before its first collective)."""
+    with slot.get_lock():
+        raw = slot.raw.split(b"\0", 1)[0]
+    return json.loads(raw) if raw else None
+
+
+@contextlib.contextmanager
+def issuing(op: str, tensor: torch.Tensor | None, group, module: str | None = None):
+    """Around one collective: counted, reported to the launcher, checked if checking is on."""
+    ranks = _ranks_of(group)
+    seq = _SEQ[ranks] = _SEQ.get(ranks, 0) + 1
+    shape = list(tensor.shape) if tensor is not None else []
+    dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else ""
+    state = {"state": "in", "seq": seq, "op": op, "shape": shape, "dtype": dtype, "group": list(ranks),
+             "module": module, "t": time.time()}
+    if _SLOT is not None:
+        _write(state)
+    if _CHECK[0]:
+        _check_signature(state, group)
+    yield
+    if _SLOT is not None:
+        _write({**state, "state": "out", "t": time.time()})
+
+
+def describe(state: dict | None) -> str:
+    if state is None:
+        return "no collective yet"
+    call = (f"{state['op']} #{state['seq']} {state['dtype']}{state['shape']} on group {state['group']}"
+            + (f" from {state['module']}" if state.get("module") else ""))
+    ago = time.time() - state["t"]
+    if state["state"] == "in":
+        return f"in {call} for {ago:.1f}s"
+    return f"not in a collective for {ago:.1f}s (last: {call})"
+
+
+def find_mismatch(states: dict, settle_s: float = SETTLE_S) -> str | None:
+    """A message naming two ranks of one group in different collectives, or None.
+
+    ``states``: ``{rank: read(slot)}``. Same ``seq``, another signature: at once. Another ``seq``:
+    once both have been inside for ``settle_s`` (a rank may still be leaving the previous one)."""
+    inside = {r: s for r, s in states.items() if s is not None and s["state"] == "in"}
+    now = time.time()
+    for a, sa in inside.items():
+        for b, sb in inside.items():
+            if b <= a or sa["group"] != sb["group"]:
+                continue
+            if sa["seq"] == sb["seq"] and _signature(sa) != _signature(sb):
+                return _mismatch_message(a, sa, b, sb, "issued different collectives")
+            if sa["seq"] != sb["seq"] and now - max(sa["t"], sb["t"]) > settle_s:
+                return _mismatch_message(a, sa, b, sb, "are in different collectives of one group "
+                                         "(one issued a collective the other did not)")
+    return None
+
+
+def _signature(state: dict) -> tuple:
+    return state["op"], tuple(state["shape"]), state["dtype"]
+
+
+def _mismatch_message(a, sa, b, sb, what) -> str:
+    return f"ranks {a} and {b} {what}: rank {a} {describe(sa)}; rank {b} {describe(sb)}"
+
+
+_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "uint8", "bool", "int8", "int16")
+
+
+def _check_signature(state: dict, group) -> None:
+    """Exchange ``(seq, op, dtype, ndim, numel, first three dims)`` with the group; raise on any difference."""
+    shape = state["shape"]
+    mine = torch.tensor([state["seq"], _OPS.index(state["op"]) if state["op"] in _OPS else -1,
+                         _DTYPES.index(state["dtype"]) if state["dtype"] in _DTYPES else -1, len(shape),
+                         int(torch.tensor(shape).prod().item()) if shape else 1,
+                         *(list(shape[:3]) + [-1] * (3 - len(shape[:3])))], dtype=torch.int64)
+    everyone = torch.empty(len(state["group"]) * mine.numel(), dtype=torch.int64)
+    tdist.all_gather_single(everyone, mine, group=group)
+    rows = everyone.view(len(state["group"]), -1)
+    if bool((rows == mine).all()):
+        return
+    descriptions = [None] * len(state["group"])  # every rank saw the same rows: all exchange names
+    tdist.all_gather_object(descriptions, {k: state[k] for k in ("seq", "op", "shape", "dtype", "module")},
+                            group=group)
+    me = state["group"].index(tdist.get_rank()) if tdist.get_rank() in state["group"] else 0
+    other = next(i for i in range(len(rows)) if not bool((rows[i] == rows[me]).all()))
+    a, b = sorted((me, other))
+    da, db = ({**descriptions[i], "group": state["group"], "state": "in", "t": time.time()} for i in (a, b))
+    raise CollectiveMismatchError(_mismatch_message(state["group"][a], da, state["group"][b], db,
+                                                    "issued different collectives"))

@@ -1,0 +1,38 @@
+"""tensorpar.audit on 2 gloo ranks: replicated tensors (and their gradients) compared across the
+group by checksum; drift named with its ranks, shards left alone; different inputs refused."""
+import functools
+
+import pytest
+
+from tensorpar import dist
+from tests import _audit_workers as W
+
+pytestmark = pytest.mark.multirank
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    return dist.launch(W.audit_worker, 2, deadline=300)
+
+
+def test_a_fresh_split_and_its_gradients_are_identical_on_every_rank():
+    for r in results():
+        ok, checked, differs = r["fresh"]
+        assert ok and checked > 5 and not differs  # norms, rotary buffers...
+        ok, checked_grads, differs = r["after_backward"]
+        assert ok and checked_grads > checked, differs
+
+
+def test_drift_in_the_last_bits_is_named_with_its_ranks_and_shards_are_not():
+    for r in results():
+        ok, _, differs = r["drifted"]
+        assert not ok and differs == {"model.norm.weight": [1]}
+        ok, _, differs = r["grad_drift"]
+        assert not ok and differs == {"model.layers.1.input_layernorm.weight.grad": [1]}
+        assert "1 of" in r["raised"] and "model.norm.weight (ranks [1] differ from rank 0)" in r["raised"]
+
+
+def test_ranks_given_different_prompts_are_refused():
+    for r in results():
+        assert "input_ids differs from rank 0's on ranks [1]" in r["inputs"]
+        assert "input_ids differs from rank 0's on ranks [1]" in r["generate"]
