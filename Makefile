@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # resolves a newer (CUDA) build; constraints.txt pins every other version CI installs.
 PIP_INSTALL = $(VPY) -m pip install -q -c constraints.txt
 
-.PHONY: run test bench coverage venv clean
+.PHONY: run test bench coverage mutants venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -27,12 +27,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar bench
 
-# The architecture matrix (also part of `make test`), its results rendered as docs/coverage.md.
+# The whole architecture matrix (`make test` runs a third of it; CI runs all), rendered as docs/coverage.md.
 coverage: $(STAMP)
 	mkdir -p bench/out
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TENSORPAR_COVERAGE=bench/out/coverage.json \
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TENSORPAR_MATRIX=all TENSORPAR_COVERAGE=bench/out/coverage.json \
 	  $(VPY) -m pytest tests/test_models_matrix.py -q; rc=$$?; \
 	  $(VPY) -m tensorpar.cli.coverage bench/out/coverage.json docs/coverage.md && exit $$rc
+
+# Deliberate one-line faults, each against the tests that must catch it (tools/mutants.py; not in CI).
+mutants: $(STAMP)
+	$(VPY) tools/mutants.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

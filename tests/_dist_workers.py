@@ -344,6 +344,7 @@ def sleepy_worker_with_pid(directory):
 
 def mismatched_worker(kind):
     """Rank 0 and rank 1 issue different collectives at the same point of their schedules."""
+    dist.check_collectives(False)  # what the launcher sees by itself (the suite turns the rank-side check on)
     x = torch.ones(2, 4)
     dist.all_reduce(x)  # one agreed collective first: the mismatch is the second
     if kind == "op":
@@ -370,6 +371,7 @@ def checked_mismatch_worker():
 
 def stuck_rank_worker():
     """Rank 1 never reaches the collective rank 0 waits in."""
+    dist.check_collectives(False)  # a signature exchange would wait in rank 1's place
     dist.all_reduce(torch.ones(3))
     if dist.get_rank() == 1:
         time.sleep(300)

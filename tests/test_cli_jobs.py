@@ -110,6 +110,7 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     out = json.loads(r.stdout)
     res = out["result"]
     assert len(res["tokens"]) == 5 and res["tokens"] == res["dense_tokens"] and res["tokens_match"]
+    assert res["decode_max_rel_diff"] <= 1e-5  # the logits of every step, not only the tokens
     assert out["ledger_matches"] and out["max_rel_diff"] <= 1e-5
     gen = out["ledger"]["generation"]
     assert gen["measured_bytes_per_rank"] == gen["predicted_bytes_per_rank"]

@@ -13,7 +13,8 @@ layer its full-size configuration has (``tensorpar.models.layout``: sliding and 
 linear attention, dense and expert MLPs), so no kind goes untested. The split built without the
 proof (what the planner predicts from) equals the proved one.
 
-``TENSORPAR_COVERAGE=path.json`` writes the results for ``python -m tensorpar.cli.coverage``,
+``make test`` runs the architectures of ``QUICK`` (every plan source and layer kind);
+``TENSORPAR_MATRIX=all`` (CI, ``make coverage``) runs every one. ``TENSORPAR_COVERAGE=path.json`` writes the results for ``python -m tensorpar.cli.coverage``,
 which renders the coverage table of the README and docs/coverage.md.
 """
 from __future__ import annotations
@@ -25,7 +26,9 @@ import os
 import pytest
 
 from tensorpar import dist
-from tests._matrix_workers import ARCHS, matrix_worker
+from tests._matrix_workers import ARCHS, QUICK, matrix_worker
+
+RUN = ARCHS if os.environ.get("TENSORPAR_MATRIX") == "all" else QUICK
 
 pytestmark = pytest.mark.multirank
 TP_SIZES = (2, 4)
@@ -35,7 +38,7 @@ TOL64, TOL32 = 1e-10, 1e-5
 @functools.lru_cache(maxsize=None)
 def results() -> dict:
     # timeout: a collective may wait while a slower rank checks a large block alone (2 shared cores)
-    per_rank = dist.launch(matrix_worker, 4, ARCHS, TP_SIZES, timeout=600, deadline=3000)
+    per_rank = dist.launch(matrix_worker, 4, RUN, TP_SIZES, timeout=600, deadline=3000)
     merged: dict = {}
     for res in per_rank:
         for key, val in res.items():
@@ -49,7 +52,7 @@ def results() -> dict:
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RUN)
 def test_split_is_exact_or_refused(arch, tp):
     runs = results().get((arch, tp))
     assert runs, f"no rank ran {arch} at tp {tp}"
@@ -66,7 +69,7 @@ def test_split_is_exact_or_refused(arch, tp):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RUN)
 def test_split_architectures_hold_their_share(arch, tp):
     """What the report calls split holds at most 1/tp + 0.1 of the layers (counted here); what it
     calls partly whole names what stays whole."""
@@ -80,7 +83,7 @@ def test_split_architectures_hold_their_share(arch, tp):
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", RUN)
 def test_the_proof_keeps_the_plan_the_planner_predicts(arch, tp):
     """The split ``prove=False`` builds (what ``tensorpar plan`` and the planner's inventory read)
     is the one the proof keeps: what a proof leaves whole or splits a safer way is recorded in the

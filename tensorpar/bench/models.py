@@ -201,6 +201,7 @@ def models_worker(checkpoints, repeats, batch, seq):
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()  # from_pretrained's bars, in these rank processes only
+    dist.check_collectives(False)  # timed as users run: no signature exchange before each collective
     rows = []
     for arch, path in checkpoints:
         rows += bench_model(arch, path, repeats, batch, seq)

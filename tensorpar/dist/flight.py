@@ -101,6 +101,8 @@ def describe(state: dict | None) -> str:
         return "no collective yet"
     call = (f"{state['op']} #{state['seq']} {state['dtype']}{state['shape']} on group {state['group']}"
             + (f" from {state['module']}" if state.get("module") else ""))
+    if "t" not in state:  # a peer's call, as its rank described it
+        return f"in {call}"
     ago = time.time() - state["t"]
     if state["state"] == "in":
         return f"in {call} for {ago:.1f}s"
@@ -155,6 +157,6 @@ def _check_signature(state: dict, group) -> None:
     me = state["group"].index(tdist.get_rank()) if tdist.get_rank() in state["group"] else 0
     other = next(i for i in range(len(rows)) if not bool((rows[i] == rows[me]).all()))
     a, b = sorted((me, other))
-    da, db = ({**descriptions[i], "group": state["group"], "state": "in", "t": time.time()} for i in (a, b))
+    da, db = ({**descriptions[i], "group": state["group"], "state": "in"} for i in (a, b))
     raise CollectiveMismatchError(_mismatch_message(state["group"][a], da, state["group"][b], db,
                                                     "issued different collectives"))

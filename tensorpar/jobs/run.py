@@ -56,7 +56,7 @@ class RunReport:
     @property
     def ok(self) -> bool:
         return (self.max_rel_diff <= self.tolerance_rel and self.result.get("tokens_match", True)
-                and self.ledger_matches)
+                and self.result.get("decode_max_rel_diff", 0.0) <= self.tolerance_rel and self.ledger_matches)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ledger_matches": self.ledger_matches, "ok": self.ok}
@@ -165,8 +165,9 @@ def _generate(model, spec) -> dict:
     # Generation's own collectives (one forward per token, a broadcast of each token) go to a
     # ledger of their own, apart from the forward that is compared with the planner.
     with dist.ledger() as gen:
-        tokens = generate(model, ids, spec["max_new_tokens"])
+        tokens, steps = generate(model, ids, spec["max_new_tokens"], return_logits=True)
     return {"output": logits, "tokens": tokens[0, ids.shape[1]:].tolist(), "input_shape": list(ids.shape),
+            "step_logits": torch.stack(steps),  # (n, 1, V): what each greedy step chose from
             "generation_bytes_sent": gen.total_bytes_sent(), "generation_collectives": len(gen.records)}
 
 
@@ -234,8 +235,19 @@ def _result(task, rank0, path) -> dict:
                             for s, i, j in pairs]}
     split, dense = rank0["split"]["tokens"], rank0["dense"]["tokens"]
     return {"prompt_ids": task["prompt_ids"], "tokens": split, "dense_tokens": dense,
-            "tokens_match": split == dense, "text": _decode(path, task, split),
+            "tokens_match": split == dense, "decode_max_rel_diff": _steps_rel(rank0),
+            "text": _decode(path, task, split),
             "generation_collectives": rank0["split"]["generation_collectives"]}
+
+
+def _steps_rel(rank0) -> float:
+    """Worst relative difference of the logits over every decoding step (a tiny random model may
+    repeat one token whatever its cache holds: equal tokens alone prove little). Infinite where
+    the tokens differ: later steps then decode different inputs."""
+    if rank0["split"]["tokens"] != rank0["dense"]["tokens"]:
+        return float("inf")
+    s, d = rank0["split"]["step_logits"].double(), rank0["dense"]["step_logits"].double()
+    return max(((a - b).abs().max() / (b.abs().max() or 1.0)).item() for a, b in zip(s, d))
 
 
 def _decode(path, task, tokens) -> str | None:

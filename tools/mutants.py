@@ -1,0 +1,181 @@
+"""`make mutants`: deliberate one-line faults, each run against the tests that claim to catch it.
+
+A test suite that passes when the code is wrong proves nothing. Each mutant below replaces one
+line of tensorpar with a plausible mistake (a collective skipped, a mask ignored, a check turned
+off, a formula off by a factor); this script applies it to a copy of the working tree, runs the
+tests that should fail, and reports the mutants that survive (their tests still passed). None
+may survive: a survivor is a gap in the tests, to be closed by a test that fails on it.
+
+    python tools/mutants.py            # all
+    python tools/mutants.py verify     # those whose name contains "verify"
+
+Not part of `make test` (about 20 s to 2 min per mutant on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # under tensorpar/
+    old: str  # one line (stripped of its indentation), found exactly once in the file
+    new: str
+    tests: tuple  # pytest arguments: the tests that must fail
+
+
+M = Mutant
+MUTANTS = [
+    # dist/: the collectives, the ledger, the launcher, the flight recorder
+    M("all_reduce skipped", "dist/collectives.py",
+      "work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)", "work = None",
+      ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
+    M("copy_to_tp_region's backward not reduced", "dist/mappings.py",
+      "return C.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None", "return _fresh(grad), None",
+      ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
+    M("ledger counts all-reduce bytes as an all-gather's", "dist/ledger.py",
+      'factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,',
+      'factors = {"all_reduce": (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,',
+      ("tests/test_dist.py", "-k", "ledger_records_every_collective")),
+    M("launcher blames the peer that lost its connection", "dist/launcher.py",
+      "own = [f for f in failures if not any(s in f.detail for s in _PEER_LOSS)]", "own = failures[::-1]",
+      ("tests/test_dist.py", "-k", "failing_rank_stops_every_other_rank")),
+    M("flight recorder ignores different collectives", "dist/flight.py",
+      'if sa["seq"] == sb["seq"] and _signature(sa) != _signature(sb):', "if False:",
+      ("tests/test_dist.py", "-k", "mismatch")),
+    M("signature check passes everything", "dist/flight.py",
+      "if bool((rows == mine).all()):", "if True:",
+      ("tests/test_dist.py", "-k", "rank_side")),
+    # nn/: layers and attention
+    M("attention ignores its mask", "nn/attention_ops.py",
+      "o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,",
+      "o = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout_p,",
+      ("tests/test_nn_attention_core.py",)),
+    M("attention forgets the cache's positions", "nn/attention_ops.py",
+      "offset = 0 if cache is None else cache.seq_len", "offset = 0",
+      ("tests/test_nn_attention_core.py",)),
+    M("vocab-parallel embedding keeps other ranks' rows", "nn/layers.py",
+      "out_partial = out_partial.masked_fill(outside.unsqueeze(-1), 0.0)", "out_partial = out_partial",
+      ("tests/test_nn_layers.py",)),
+    # sharding/: the proof's companions, audit
+    M("audit sees no drift", "sharding/audit.py", "if ranks:", "if False:",
+      ("tests/test_sharding_audit.py",)),
+    M("different prompts accepted", "sharding/audit.py", "if bad:", "if False:",
+      ("tests/test_sharding_audit.py",)),
+    M("gradient of a per-head parameter not synchronised", "nn/regions.py",
+      'param.tp_rows_sync = {"rows": tuple(rows), "slot": slot, "n_slots": n_slots, "name": name}',
+      'return None',
+      ("tests/test_sharding_runtime.py",)),
+    # the jobs: verify's comparison
+    M("verify skips a lost gradient", "jobs/verify.py",
+      'return float("inf"), float("inf")', "continue",
+      ("tests/test_jobs_verify_compare.py",)),
+    M("verify judges rounding noise by itself", "jobs/verify.py",
+      "return min(rel / tol, vs_rounding)", "return rel / tol",
+      ("tests/test_jobs_verify_compare.py",)),
+    M("verify accepts any error", "jobs/verify.py",
+      "if rel <= tol or exact is None or split is None or dense is None:", "if True:",
+      ("tests/test_jobs_verify_compare.py",)),
+    # models/: loaders, training, generation
+    M("checkpoint shapes not checked", "models/checkpoint.py",
+      "if src.shape != tuple(shapes[names[0]].shape):", "if False:",
+      ("tests/test_cli_jobs.py", "-k", "errors_are_one_line")),
+    M("an index may name files outside the folder", "models/checkpoint.py",
+      "if outside:", "if False:",
+      ("tests/test_cli_jobs.py", "-k", "errors_are_one_line")),
+    M("clipping counts shared rows on every rank", "models/training.py",
+      "sq = sq - shared * (1 - 1 / r)", "sq = sq",
+      ("tests/test_sharding_runtime.py",)),
+    M("the split model discards its KV cache", "models/generation.py",
+      'cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)',
+      'cache = None if sharded else (getattr(out, "cache", None) or getattr(out, "past_key_values", None))',
+      ("tests/test_cli_jobs.py", "-k", "decoder_generates")),
+    # reference/ and planner/
+    M("numpy MLP adds the bias on every rank", "reference/seed.py",
+      "return y if b2 is None else y + b2", "return y if b2 is None else y + len(y_partials) * b2",
+      ("tests/test_reference_seed.py",)),
+    M("planner's KV cache counts K only", "planner/memory.py",
+      "per_device = 2 * layers_per_stage(model, pp) * g_t * model.head_dim * bytes_per_elem",
+      "per_device = layers_per_stage(model, pp) * g_t * model.head_dim * bytes_per_elem",
+      ("tests/test_planner_formulas.py", "tests/test_planner_cases.py")),
+    M("planner's Adam state for mixed precision", "planner/memory.py",
+      "return 12 if bytes_per_elem < 4 else 2 * bytes_per_elem", "return 8 if bytes_per_elem < 4 else 2 * bytes_per_elem",
+      ("tests/test_planner_formulas.py", "tests/test_planner_cases.py")),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    """The working tree's files (tracked and untracked, not ignored) into ``dest``."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def _apply(tree: Path, m: Mutant) -> str:
+    """Write the mutant into ``tree``; return the original text to restore."""
+    path = tree / "tensorpar" / m.path
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if line.strip() == m.old]
+    if len(hits) != 1:
+        raise SystemExit(f"mutant {m.name!r}: expected the line once in tensorpar/{m.path}, found it "
+                         f"{len(hits)} times: {m.old!r} (the code moved on: update tools/mutants.py)")
+    line = lines[hits[0]]
+    lines[hits[0]] = line[:len(line) - len(line.lstrip())] + m.new + "\n"
+    path.write_text("".join(lines))
+    return text
+
+
+def run(selected: list[Mutant]) -> list[Mutant]:
+    python = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv").exists() else sys.executable
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="tensorpar-mutants-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        for m in selected:
+            original = _apply(tree, m)
+            t0 = time.monotonic()
+            try:
+                r = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                                   cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            finally:
+                (tree / "tensorpar" / m.path).write_text(original)
+            caught = rc not in (0, 5)  # 5: no test ran, which catches nothing
+            print(f"{'caught  ' if caught else 'SURVIVED'} {m.name:52s} ({time.monotonic() - t0:5.0f} s, rc {rc})",
+                  flush=True)
+            if not caught:
+                survivors.append(m)
+    return survivors
+
+
+def main(argv: list[str]) -> int:
+    selected = [m for m in MUTANTS if not argv or any(a in m.name for a in argv)]
+    print(f"{len(selected)} mutants", flush=True)
+    survivors = run(selected)
+    if survivors:
+        print(f"{len(survivors)} survived: " + "; ".join(m.name for m in survivors))
+        return 1
+    print(f"all {len(selected)} caught")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
