@@ -377,3 +377,12 @@ def stuck_rank_worker():
         time.sleep(300)
     dist.all_reduce(torch.ones(3), module="model.layers.1.mlp")
     return "finished"
+
+
+def raising_peer_worker():
+    """Rank 1 raises while rank 0 waits for it in a collective: rank 0's error is an echo."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        raise ValueError("the real cause, on purpose")
+    dist.all_reduce(torch.ones(3))
+    return "finished"

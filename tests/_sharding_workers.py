@@ -59,7 +59,21 @@ def sharded_norm_case(tp, group, rank, *, replicas=1) -> dict:
     return {"y": _rel(y, _rms(x, w, 1e-6)[..., cols]), "dw": _rel(norm.weight.grad, wd.grad[cols]),
             # a replicated head's input gradient is each holder's share (summed by the projection
             # that made it); a split one is the dense slice
-            "dx": _rel(xs.grad, xd.grad[..., cols]) if replicas == 1 else None}
+            "dx": _rel(xs.grad, xd.grad[..., cols]) if replicas == 1 else None,
+            "clip_norm": _clip_norm(norm, per, replicas, tp, group, wd.grad) if replicas > 1 else None}
+
+
+def _clip_norm(norm, per, replicas, tp, group, dense_grad) -> float:
+    """clip_grad_norm_'s norm over the group against the dense gradient's: rows held by
+    ``replicas`` ranks count once (as commit marks them: ``tp_row_replicas``)."""
+    from types import SimpleNamespace
+
+    from tensorpar.models.training import clip_grad_norm_
+    norm.weight.tp_row_replicas = (((0, per),), replicas)
+    holder = torch.nn.Module()
+    holder.norm = norm
+    holder.tp_report = SimpleNamespace(tp_group=group, tp_size=tp)
+    return abs(clip_grad_norm_(holder, 1e30).item() - dense_grad.norm().item()) / dense_grad.norm().item()
 
 
 class ScaledEmbedding(nn.Embedding):

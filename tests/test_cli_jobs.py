@@ -52,6 +52,24 @@ def test_verify_passes_the_packaged_model_in_float32():
     assert all(lay["excess"] <= 1 for lay in check["layers"])
 
 
+def test_verify_reports_non_finite_weights(checkpoints, tmp_path):
+    """A NaN in the checkpoint makes split and unsplit both NaN: no tolerance judges that, so
+    verify names the tensor and fails (exit 1) instead of comparing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    bad = tmp_path / "nan"
+    shutil.copytree(checkpoints["llama"], bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.post_attention_layernorm.weight"][3] = float("nan")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    r = tensorpar("verify", "--model", str(bad), "--tp", "2", "--json")
+    assert r.returncode == 1, r.stderr
+    check = json.loads(r.stdout)["checks"][0]
+    assert check["nonfinite"] == ["model.layers.1.post_attention_layernorm.weight"]
+    assert check["first_divergence"] == "non-finite weights (model.layers.1.post_attention_layernorm.weight)"
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_verify_names_the_first_diverging_layer(checkpoints, family):
     r = tensorpar("verify", "--model", str(checkpoints[family]), "--tp", "2", "--inject-fault", "1", "--json")
@@ -140,6 +158,10 @@ VERIFY_ERRORS = [
     (["verify", "--model", "{stale}"], "has both model.safetensors and model.safetensors.index.json, which does not "
                                        "name it: one of them is stale"),
     (["verify", "--model", "{wrong_index}"], "tensors are not in the file the index names"),
+    (["verify", "--model", "{billion_layers}"], "num_hidden_layers=1000000000 but the checkpoint's tensors hold "
+                                                "layers 0..1 only (2)"),
+    (["verify", "--model", "{zero_heads}"], "num_attention_heads=0 must be a positive integer"),
+    (["verify", "--model", "{list_config}"], "is not a JSON object (got list)"),
 ]
 RUN_ERRORS = [
     (["run", "--tp", "5"], "valid tp sizes: 1, 2, 3, 4, 6, 12"),
@@ -194,12 +216,15 @@ def _broken_checkpoints(good, root) -> dict:
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
 
     out = {name: copy(name) for name in ("truncated", "missing", "reshaped", "integer", "outside", "stale",
-                                         "wrong_index")}
+                                         "wrong_index", "billion_layers", "zero_heads", "list_config")}
     data = (good / "model.safetensors").read_bytes()
     (out["truncated"] / "model.safetensors").write_bytes(data[:len(data) // 2])
     rewrite(out["missing"], lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
     config = json.loads((good / "config.json").read_text())
     (out["reshaped"] / "config.json").write_text(json.dumps({**config, "intermediate_size": 104}))
+    (out["billion_layers"] / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    (out["zero_heads"] / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    (out["list_config"] / "config.json").write_text(json.dumps([config]))
     rewrite(out["integer"], lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}))
     keys = list(load_file(good / "model.safetensors"))
     (out["outside"] / "model.safetensors").rename(root / "elsewhere.safetensors")

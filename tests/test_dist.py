@@ -156,6 +156,13 @@ def test_peers_that_lose_the_connection_are_not_blamed():
         dist.launch(W.dying_worker, 3, 1, timeout=30, deadline=60)
 
 
+def test_a_rank_that_raises_is_blamed_not_the_peer_it_left_waiting():
+    # rank 0's "Connection closed by peer" arrives too: the launcher reports rank 1's own error
+    with pytest.raises(dist.RankFailedError) as info:
+        dist.launch(W.raising_peer_worker, 2, timeout=30, deadline=60)
+    assert info.value.rank == 1 and info.value.exc_type == "ValueError", info.value
+
+
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(

@@ -3,7 +3,8 @@
 ``--json`` prints one JSON object (a :class:`tensorpar.planner.PlanReport`, or a
 :class:`~tensorpar.planner.SearchResult` with ``--search``); without it, tables (rich). ``--plot
 PATH`` writes a PNG of memory per device and communication per step against tp. Bad input raises
-``ValueError`` in the planner; the dispatcher prints it as one line and exits 2.
+``ValueError`` in the planner; the dispatcher prints it as one line and exits 2. A layout that
+does not fit (or a search that finds none) exits 1, like a failed proof.
 
 ``--model DIR`` (a checkpoint directory or its config.json) of a model type the formulas do not
 know (or with ``--inventory``) is planned from tensorpar's own split instead: the plan
@@ -165,7 +166,12 @@ def main(args) -> int:
         print(json.dumps(result.to_dict()))
     else:
         print_result(result)
-    return 0
+    return 0 if _feasible(result) else 1
+
+
+def _feasible(result) -> bool:
+    """Exit code 1 for a layout that does not fit (or a search that found none), like a failed proof."""
+    return result.best is not None if isinstance(result, P.SearchResult) else bool(result.feasible)
 
 
 # ---- any architecture: the inventory of tensorpar's own split ----------------------------------------
@@ -220,7 +226,7 @@ def main_inventory(args) -> int:
         print(json.dumps(report.to_dict()))
     else:
         _render_inventory(report)
-    return 0
+    return 0 if report.feasible else 1
 
 
 def _max_positions(path) -> int:

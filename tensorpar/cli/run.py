@@ -44,7 +44,10 @@ def main(args) -> int:
         print(json.dumps(report.to_dict(), default=str))
     else:
         _show(report)
-    if not report.ok:
+    if report.nonfinite:
+        print(f"tensorpar run: the checkpoint holds NaN or inf in {len(report.nonfinite)} tensors, e.g. "
+              f"{report.nonfinite[:3]}: no comparison can prove the split", file=sys.stderr)
+    elif not report.ok:
         print("tensorpar run: the split model does not match (see above)", file=sys.stderr)
         return 1
     return 0

@@ -116,3 +116,9 @@ def check_length(ckpt: Checkpoint, tokens: int, what: str) -> None:
     if limit is not None and tokens > limit:
         raise ValueError(f"{what} ({tokens} tokens) is longer than this model's {limit} positions; "
                          f"use at most {limit}")
+
+
+def nonfinite(model) -> list[str]:
+    """Names of this rank's parameters holding NaN or inf (a checkpoint's, once loaded): a split
+    of such weights compares NaN with NaN, which no tolerance judges."""
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder,
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, nonfinite,
                                    open_checkpoint, parse_dtype, quiet_transformers)
 
 DEFAULT_SENTENCES = (
@@ -47,6 +47,7 @@ class RunReport:
     ledger: dict
     result: dict = field(default_factory=dict)
     load: list = field(default_factory=list)
+    nonfinite: list = field(default_factory=list)  # the checkpoint's parameters holding NaN or inf
 
     @property
     def ledger_matches(self) -> bool:
@@ -55,7 +56,8 @@ class RunReport:
 
     @property
     def ok(self) -> bool:
-        return (self.max_rel_diff <= self.tolerance_rel and self.result.get("tokens_match", True)
+        return (not self.nonfinite and self.max_rel_diff <= self.tolerance_rel
+                and self.result.get("tokens_match", True)
                 and self.result.get("decode_max_rel_diff", 0.0) <= self.tolerance_rel and self.ledger_matches)
 
     def to_dict(self) -> dict:
@@ -139,7 +141,8 @@ def run_worker(spec: dict) -> dict:
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
            "bytes_sent": led.total_bytes_sent(), "split": split}
     if dist.get_rank() == 0:
-        out["dense"] = task(dense_model(spec["path"], dtype), spec)
+        dense = dense_model(spec["path"], dtype)
+        out["dense"], out["nonfinite"] = task(dense, spec), nonfinite(dense)
     return out
 
 
@@ -211,7 +214,8 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
                      task=task["task"], max_abs_diff=diff, max_rel_diff=diff / scale,
                      tolerance_rel=TOLERANCE[DTYPES[dtype]], params_total=rank0["params_total"],
                      params_per_rank=[r["params"] for r in per_rank], fixes=fixes, ledger=ledger,
-                     result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank])
+                     result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank],
+                     nonfinite=rank0["nonfinite"])
 
 
 def _predicted_per_module(predicted) -> dict:

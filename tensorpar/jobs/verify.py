@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder,
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, nonfinite,
                                    open_checkpoint, parse_dtype, quiet_transformers)
 
 
@@ -64,12 +64,15 @@ class TPCheck:
     loss_split: float = 0.0
     loss_dense: float = 0.0
     replicas: str = ""  # tensorpar.audit's verdict on the replicated tensors
+    nonfinite: list = field(default_factory=list)  # the checkpoint's parameters holding NaN or inf
 
     @property
     def first_divergence(self) -> str | None:
         """Where the split model first departs: the first layer whose forward activation
         diverges; if none does, the first in backward order (the last layer) whose gradients do
         (an error in backward propagates to every earlier layer's gradients)."""
+        if self.nonfinite:
+            return f"non-finite weights ({', '.join(self.nonfinite[:3])})"
         fwd = next((lay.name for lay in self.layers if lay.activation_rel > self.tolerance_rel), None)
         return fwd or next((lay.name for lay in reversed(self.layers) if not lay.ok), None)
 
@@ -159,6 +162,7 @@ def verify_worker(spec: dict):
     check.layers.append(LayerCheck(f"replicas ({replicas.checked} tensors, bit-identical)", 0.0, 0.0, 0.0,
                                    replicas.ok, 0.0 if replicas.ok else float("inf")))
     check.replicas = replicas.message()
+    check.nonfinite = nonfinite(dense)
     return check
 
 

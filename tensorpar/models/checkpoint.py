@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,9 +70,11 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     from tensorpar.sharding.sizes import meta_model
 
     path = Path(path)
-    files, config = _check_dir(path), _read_config(path)
-    dtype = _pick_dtype(dtype, config)
+    files = _check_dir(path)
     meta = _tensor_index(files)
+    _check_sizes(_read_json(path / "config.json"), meta, path)
+    config = _read_config(path)
+    dtype = _pick_dtype(dtype, config)
     with _default_dtype(dtype):  # as from_pretrained builds it: tensors a module does not fix take dtype
         model = meta_model(config, model_class)
     sources, unexpected = map_checkpoint(model, {k: m[1] for k, m in meta.items()})
@@ -149,7 +152,11 @@ def _read_config(path: Path):
         raise ValueError(f"checkpoint {str(path)!r}: model_type {kind!r} is not known to transformers "
                          f"{__version__} (config.json's model_type must name one of its architectures, "
                          f"e.g. llama, mixtral, gpt2, bert)")
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path / 'config.json'}: transformers cannot build this {kind} config: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
 
 
 def _pick_dtype(dtype, config):
@@ -176,12 +183,43 @@ def check_checkpoint(path, *, model_class=None) -> dict:
     from tensorpar.sharding.sizes import meta_model
 
     path = Path(path)
-    files, config = _check_dir(path), _read_config(path)
+    files = _check_dir(path)
     meta = _tensor_index(files)
-    model = meta_model(config, model_class)
+    _check_sizes(_read_json(path / "config.json"), meta, path)
+    model = meta_model(_read_config(path), model_class)
     sources, _ = map_checkpoint(model, {k: m[1] for k, m in meta.items()})
     _check_tensors(model, sources, meta, path)
     return meta
+
+
+# config.json's core sizes (and their names in older configs): each a positive integer.
+_CORE_SIZES = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "hidden_size", "n_embd", "d_model",
+               "num_attention_heads", "n_head", "vocab_size", "intermediate_size")
+_LAYER_SIZES = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers")
+_LAYER_KEY = re.compile(r"\.(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def _check_sizes(config: dict, meta: dict, path: Path) -> None:
+    """config.json's core sizes are positive integers, and it asks for no more layers than the
+    checkpoint holds: checked before a model is built (a billion layers would be built, on the
+    meta device, until memory runs out)."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object (got {type(config).__name__})")
+    configs = [config] + [v for k, v in config.items() if k.endswith("_config") and isinstance(v, dict)]
+    for cfg in configs:
+        for name in _CORE_SIZES:
+            v = cfg.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{path / 'config.json'}: {name}={v!r} must be a positive integer")
+    held = {int(m.group(1)) for key in meta for m in [_LAYER_KEY.search(f".{key}")] if m}
+    if not held:
+        return
+    for cfg in configs:
+        for name in _LAYER_SIZES:
+            v = cfg.get(name)
+            if isinstance(v, int) and v > max(held) + 1:
+                raise ValueError(f"{path / 'config.json'}: {name}={v} but the checkpoint's tensors hold layers "
+                                 f"0..{max(held)} only ({max(held) + 1}); config.json does not describe these weights")
 
 
 def _file_header(file: Path) -> dict:
