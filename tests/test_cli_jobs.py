@@ -187,7 +187,7 @@ def error_runs(checkpoints, tmp_path_factory):
         (dirs[name] / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
         (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header
     dirs.update(_broken_checkpoints(checkpoints["llama"], root))
-    cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS]
+    cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS] + [["verify", "--model", "/nonexistent/dir", "--json"]]
     filled = [[a.format(**dirs) for a in args] for args in cases]
     r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(filled)], capture_output=True,
                        text=True, env=ENV, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -243,6 +243,30 @@ def _one_line_exit_2(run, message):
     lines = [ln for ln in run["stderr"].splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], run["stderr"]
     assert run["stdout"] == ""
+
+
+def test_json_errors_are_a_json_object_on_stdout(error_runs):
+    run = error_runs[("verify", "--model", "/nonexistent/dir", "--json")]
+    assert run["rc"] == 2 and len(run["stderr"].strip().splitlines()) == 1
+    assert json.loads(run["stdout"]) == {"ok": False, "exit_code": 2,
+                                         "error": "model directory '/nonexistent/dir' does not exist"}
+
+
+def test_a_failed_rank_is_one_line_with_exit_code_1(monkeypatch, capsys):
+    """The launcher's RankFailedError carries the rank's traceback: the CLI prints its first line
+    and how to see the rest."""
+    from tensorpar import dist
+    from tensorpar.cli import main
+    from tensorpar.jobs import verify as verify_job
+
+    def failing(*args, **kwargs):
+        raise dist.RankFailedError(1, "RuntimeError", "out of memory", "Traceback (most recent call last): ...")
+    monkeypatch.setattr(verify_job, "verify", failing)
+    monkeypatch.delenv("TENSORPAR_TRACEBACK", raising=False)
+    rc = main(["verify", "--model", "/tmp", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and err.count("\n") == 1 and "rank 1 failed: RuntimeError: out of memory" in err
+    assert "Traceback" not in err and json.loads(out)["exit_code"] == 1
 
 
 @pytest.mark.parametrize("args, message", VERIFY_ERRORS)

@@ -163,6 +163,29 @@ def test_a_rank_that_raises_is_blamed_not_the_peer_it_left_waiting():
     assert info.value.rank == 1 and info.value.exc_type == "ValueError", info.value
 
 
+def test_ctrl_c_stops_every_rank_quietly(tmp_path):
+    """Ctrl-C reaches the whole foreground process group: the ranks leave it to the launcher,
+    which stops them; nothing but the launcher's own line is printed."""
+    import signal
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import sys\nsys.path.insert(0, %r)\n"
+        "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
+        "if __name__ == '__main__':\n"
+        "    try:\n        dist.launch(W.sleepy_worker_with_pid, 2, %r)\n"
+        "    except KeyboardInterrupt:\n        print('interrupted', file=sys.stderr)\n"
+        % (str(Path(__file__).resolve().parents[1]), str(tmp_path)))
+    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.pid").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    _, err = proc.communicate(timeout=30)
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err, err
+    assert _ranks_gone(tmp_path, 2)
+
+
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(

@@ -2,12 +2,16 @@
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``main(args) -> int``.
 Errors a user can cause are raised as ``ValueError`` (or ``FileNotFoundError``) by the library and
-turned here into one line on stderr and exit code 2.
+turned here into one line on stderr and exit code 2; a failed rank or a launch past its deadline
+into one line naming the rank, exit code 1; Ctrl-C into one line, exit code 130. With ``--json``
+each also prints ``{"ok": false, "error": ..., "exit_code": ...}`` on stdout.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 
 # Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py.
@@ -42,12 +46,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        sys.stderr.write(f"tensorpar {args.command}: error: {_one_line(exc)}\n")
-        return 2
+        return _fail(args, _one_line(exc), 2)
+    except _launch_errors() as exc:  # a rank failed or the launch timed out: named, exit 1
+        detail = str(exc).split("\n--- traceback on rank", 1)[0]
+        hint = "" if os.environ.get("TENSORPAR_TRACEBACK") else " (TENSORPAR_TRACEBACK=1 prints the rank's traceback)"
+        if os.environ.get("TENSORPAR_TRACEBACK"):
+            sys.stderr.write(getattr(exc, "remote_traceback", "") or "")
+        return _fail(args, _one_line(detail) + hint, 1)
     except KeyboardInterrupt:
-        sys.stderr.write("tensorpar: interrupted\n")
-        return 130
+        return _fail(args, "interrupted", 130)
 
 
-def _one_line(exc: BaseException) -> str:
+def _fail(args, message: str, code: int) -> int:
+    """One line on stderr; with ``--json``, also one JSON object on stdout (what a script parses)."""
+    sys.stderr.write(f"tensorpar {args.command}: error: {message}\n")
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": message, "exit_code": code}))
+    return code
+
+
+def _launch_errors() -> tuple:
+    """The launcher's errors, without importing torch for commands that never launch."""
+    if "tensorpar.dist.launcher" not in sys.modules:
+        return ()
+    from tensorpar.dist.launcher import LaunchTimeoutError, RankFailedError
+    return (RankFailedError, LaunchTimeoutError)
+
+
+def _one_line(exc) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__

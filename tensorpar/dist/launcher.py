@@ -299,6 +299,7 @@ def _die_with_parent() -> None:
 
 def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None) -> None:
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
     if slot is not None:
         flight.install(slot)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
