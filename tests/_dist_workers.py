@@ -386,3 +386,12 @@ def raising_peer_worker():
         raise ValueError("the real cause, on purpose")
     dist.all_reduce(torch.ones(3))
     return "finished"
+
+
+def child_starting_worker(directory):
+    """Each rank starts a long-running process of its own and returns at once."""
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(directory, f"child{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(child.pid))
+    return child.pid

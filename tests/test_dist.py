@@ -186,6 +186,25 @@ def test_ctrl_c_stops_every_rank_quietly(tmp_path):
     assert _ranks_gone(tmp_path, 2)
 
 
+def test_processes_a_rank_starts_end_with_the_launch(tmp_path):
+    pids = dist.launch(W.child_starting_worker, 2, str(tmp_path), deadline=60)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a process started by a rank outlived the launch"
+
+
+def test_a_dead_launchers_rendezvous_folder_is_swept(tmp_path):
+    import tempfile
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    stale = Path(tempfile.gettempdir()) / f"tensorpar-rdzv-{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "store").write_text("left by a SIGKILLed launcher")
+    dist.launch(W.pid_worker, 2, deadline=60)
+    assert not stale.exists()
+
+
 def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(

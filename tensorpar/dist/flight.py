@@ -65,17 +65,32 @@ def _ranks_of(group) -> tuple:
     return _GROUP_RANKS[key]
 
 
+# A slot is a lock-free shared byte array (no semaphore to leak if the launcher is killed): byte 0
+# is a sequence counter the writer makes odd while it writes and even when done; a reader retries
+# a copy taken while it was odd or changed under it (a seqlock).
 def _write(state: dict) -> None:
-    data = json.dumps(state).encode()[:SLOT_BYTES - 1]
-    with _SLOT.get_lock():
-        _SLOT.raw = data + b"\0" * (SLOT_BYTES - len(data))
+    data = json.dumps(state).encode()[:SLOT_BYTES - 2]
+    seq = _SLOT[0][0]
+    _SLOT[0] = bytes([(seq + 1) % 256])  # odd: writing
+    _SLOT[1:SLOT_BYTES] = data + b"\0" * (SLOT_BYTES - 1 - len(data))
+    _SLOT[0] = bytes([(seq + 2) % 256])  # even: done
+
+
+def new_slot(ctx):
+    """A slot for one rank, made by the launcher before it spawns the rank."""
+    return ctx.RawArray("c", SLOT_BYTES)
 
 
 def read(slot) -> dict | None:
     """The last state a rank wrote into ``slot`` (None before its first collective)."""
-    with slot.get_lock():
-        raw = slot.raw.split(b"\0", 1)[0]
-    return json.loads(raw) if raw else None
+    for _ in range(100):
+        before = slot[0][0]
+        raw = bytes(slot[1:SLOT_BYTES])
+        if before % 2 == 0 and slot[0][0] == before:
+            raw = raw.split(b"\0", 1)[0]
+            return json.loads(raw) if raw else None
+        time.sleep(0.001)
+    return None  # a rank writing without pause: its next state will be read next time
 
 
 @contextlib.contextmanager

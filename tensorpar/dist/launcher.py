@@ -155,8 +155,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
     backend = resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     results: "mp.Queue" = ctx.Queue()
-    slots = [ctx.Array("c", flight.SLOT_BYTES) for _ in range(world_size)]
-    with tempfile.TemporaryDirectory(prefix="tensorpar-rdzv-") as tmp:
+    slots = [flight.new_slot(ctx) for _ in range(world_size)]
+    _sweep_stale_rendezvous()
+    with tempfile.TemporaryDirectory(prefix=f"{_RDZV_PREFIX}{os.getpid()}-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
                              args=(rank, world_size, store, backend, timeout, fn, args, results, slots[rank]))
@@ -278,16 +279,48 @@ def _died(rank: int, proc) -> RankFailedError:
     return RankFailedError(rank, "RankDied", f"process {proc.pid} {how} before returning a result{hint}")
 
 
+_RDZV_PREFIX = "tensorpar-rdzv-"
+
+
+def _sweep_stale_rendezvous() -> None:
+    """Remove the rendezvous folders of launchers that died without cleaning up (SIGKILL): each
+    folder's name carries its launcher's pid; a folder whose pid is gone is stale."""
+    import re
+    import shutil
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        m = re.match(rf"{_RDZV_PREFIX}(\d+)-", name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _stop_all(procs) -> None:
+    """Stop every rank and whatever it started: each rank leads its own process group."""
     procs = [p for p in procs if p.pid is not None]  # a start that failed left later ranks unstarted
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        _signal_group(p, signal.SIGTERM)
     for p in procs:
         p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+        _signal_group(p, signal.SIGKILL)  # the rank if it ignored SIGTERM, and any child left behind
+        p.join(timeout=5)
+
+
+def _signal_group(p, sig) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the rank's group: the rank and the processes it started
+    except (ProcessLookupError, PermissionError):
+        if p.is_alive():  # the rank had not made its group yet
+            p.terminate() if sig == signal.SIGTERM else p.kill()
 
 
 def _die_with_parent() -> None:
@@ -300,6 +333,7 @@ def _die_with_parent() -> None:
 def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
+    os.setpgid(0, 0)  # a group of its own: the launcher stops the rank with whatever it starts
     if slot is not None:
         flight.install(slot)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
