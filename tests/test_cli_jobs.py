@@ -269,6 +269,21 @@ def test_a_failed_rank_is_one_line_with_exit_code_1(monkeypatch, capsys):
     assert "Traceback" not in err and json.loads(out)["exit_code"] == 1
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_0_prints_the_report(monkeypatch, capsys, rank, printed):
+    """Every process of a torchrun job gets the whole report back from launch: one prints it."""
+    from types import SimpleNamespace
+
+    from tensorpar.cli import main
+    from tensorpar.jobs import verify as verify_job
+    report = SimpleNamespace(ok=True, to_dict=lambda: {"ok": True}, checks=[])
+    monkeypatch.setattr(verify_job, "verify", lambda *a, **k: report)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["verify", "--model", "/tmp", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert (out == '{"ok": true}\n') if printed else (out == "" and err == "")
+
+
 @pytest.mark.parametrize("args, message", VERIFY_ERRORS)
 def test_errors_are_one_line_with_exit_code_2(error_runs, args, message):
     _one_line_exit_2(error_runs[tuple(args)], message)

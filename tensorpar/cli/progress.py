@@ -3,7 +3,13 @@ keeps clean), and the console reports print to."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+
+
+def reporting_rank() -> bool:
+    """False in the processes of a torchrun job other than global rank 0: one report per job."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def console(**kw):

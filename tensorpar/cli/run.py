@@ -32,14 +32,16 @@ def _ids(text: str | None):
 
 
 def main(args) -> int:
-    from tensorpar.cli.progress import status
+    from tensorpar.cli.progress import reporting_rank, status
     from tensorpar.jobs.run import run
 
     with status(f"splitting the model over {args.tp} ranks: loading shards, running, comparing",
-                quiet=args.json):
+                quiet=args.json or not reporting_rank()):
         report = run(args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
                      sentences=args.sentence, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
                      max_new_tokens=args.max_new_tokens)
+    if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
+        return 0 if report.ok else 1
     if args.json:
         print(json.dumps(report.to_dict(), default=str))
     else:
@@ -47,7 +49,8 @@ def main(args) -> int:
     if report.nonfinite:
         print(f"tensorpar run: the checkpoint holds NaN or inf in {len(report.nonfinite)} tensors, e.g. "
               f"{report.nonfinite[:3]}: no comparison can prove the split", file=sys.stderr)
-    elif not report.ok:
+        return 1
+    if not report.ok:
         print("tensorpar run: the split model does not match (see above)", file=sys.stderr)
         return 1
     return 0
