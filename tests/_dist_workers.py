@@ -395,3 +395,27 @@ def child_starting_worker(directory):
     with open(os.path.join(directory, f"child{dist.get_rank()}.pid"), "w") as f:
         f.write(str(child.pid))
     return child.pid
+
+
+def wire_worker(numels, dtype_name):
+    """Each collective of each size under a ``wire=True`` ledger, on the world and on a sub-group of
+    the even ranks: per call, the ring formula and what the sockets carried."""
+    dtype = getattr(torch, dtype_name)
+    p, r = dist.get_world_size(), dist.get_rank()
+    evens = dist.new_group(list(range(0, p, 2))) if p >= 4 else None
+    rows = []
+    for group in [None] + ([evens] if evens is not None and r % 2 == 0 else []):
+        q = dist.get_world_size(group)
+        for n in numels:
+            x = torch.ones(n * q, dtype=dtype)
+            with dist.ledger(wire=True) as led:
+                dist.all_reduce(x.clone(), group)
+                dist.all_gather(x, 0, group)
+                dist.reduce_scatter(x, 0, group)
+                dist.broadcast(x.clone(), 0, group)
+            rows += [(q, rec.op, rec.payload_bytes, rec.bytes_sent, rec.wire_bytes_sent) for rec in led.records]
+    with dist.ledger(wire=True) as led:  # an asynchronous call is not measured (its bytes move later)
+        dist.all_reduce(torch.ones(8), async_op=True).wait()
+    with dist.ledger() as plain:  # nor anything unless the ledger asks
+        dist.all_reduce(torch.ones(8))
+    return rows, led.records[0].wire_bytes_sent, plain.records[0].wire_bytes_sent, plain.wire_bytes_sent()

@@ -92,7 +92,7 @@ def _proof(con, r) -> None:
     con.print(f"parameters: unsplit {r.params_total:,}; {fr}")
     if r.fixes:
         con.print("fixes applied: " + "; ".join(r.fixes))
-    t = Table(title="Communication of rank 0, measured by the ledger beside the planner (ring bytes sent)",
+    t = Table(title="Communication of rank 0: the calls the ledger recorded beside the planner (ring bytes sent)",
               title_justify="left")
     for col in ("module", "collectives", "ops", "bytes sent", "planner"):
         t.add_column(col, justify="left" if col in ("module", "ops") else "right", no_wrap=col == "module")
@@ -103,11 +103,18 @@ def _proof(con, r) -> None:
         pred = per_block if name.rsplit(".", 1)[-1].isdigit() else others.get(name)
         t.add_row(name, str(s["collectives"]), ops, f"{s['bytes_sent']:,}", "" if pred is None else f"{pred:,}")
     con.print(t)
-    meas, pred = r.ledger["measured_bytes_per_rank"], r.ledger["predicted_bytes_per_rank"]
-    same = "[green]equal[/]" if meas == pred else "[red]DIFFERENT[/]"
-    con.print(f"bytes sent per rank: measured {meas}, planner predicted {pred}: {same}")
+    _bytes_line(con, "bytes sent per rank", r.ledger)
     gen = r.ledger.get("generation")
     if gen:
-        gm, gp = gen["measured_bytes_per_rank"], gen["predicted_bytes_per_rank"]
-        con.print(f"greedy generation, {len(r.result['tokens'])} tokens: measured {gm}, planner predicted {gp}: "
-                  + ("[green]equal[/]" if gm == gp else "[red]DIFFERENT[/]"))
+        _bytes_line(con, f"greedy generation, {len(r.result['tokens'])} tokens", gen)
+
+
+def _bytes_line(con, what: str, part: dict) -> None:
+    """The ledger's calls against the planner's (same formula: equal or not), then the wire's bytes."""
+    led, pred, wire = part["ledger_bytes_per_rank"], part["predicted_bytes_per_rank"], part["wire_bytes_per_rank"]
+    same = "[green]equal[/]" if led == pred else "[red]DIFFERENT[/]"
+    con.print(f"{what}: recorded calls {led}, planner predicted {pred}: {same}")
+    if all(w is not None for w in wire):
+        ratio = ", ".join(f"{w / b:.3f}" if b else "-" for w, b in zip(wire, led))
+        con.print(f"  on the wire (TCP counters): {wire}, {ratio} x the ring formula "
+                  "(gloo's framing and small-message algorithms included)")

@@ -15,11 +15,13 @@ torch's "modified by an inplace operation" error instead of using the new values
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as tdist
 from torch.autograd.graph import increment_version
 
-from tensorpar.dist import flight
+from tensorpar.dist import flight, wire
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
 from tensorpar.dist.groups import refuse_planning
@@ -29,15 +31,32 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
 
 
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
-            record_to: Ledger | None = None, shape=None, src: int = 0) -> None:
+            record_to: Ledger | None = None, shape=None, src: int = 0) -> "Ledger | None":
     """Every collective's first step: a planning stand-in refuses, an open ledger records it (the
-    flight recorder, :mod:`tensorpar.dist.flight`, is around the call itself)."""
+    flight recorder, :mod:`tensorpar.dist.flight`, and :func:`_on_wire` are around the call
+    itself). Returns the ledger recorded into."""
     refuse_planning(group, op)
     led = record_to if record_to is not None else active_ledger()
     if led is not None:
         algorithm = "tree" if tdist.get_backend(group) == "gloo" else "chain"
         led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape,
                    rank=group_rank(group), src=src, broadcast_algorithm=algorithm)
+    return led
+
+
+@contextlib.contextmanager
+def _on_wire(led: "Ledger | None", group):
+    """Around the backend call alone (inside the flight recorder's signature check): the bytes the
+    sockets carried, into the record just made, when the ledger asks and the backend is TCP."""
+    if led is None or not led.wire or tdist.get_backend(group) != "gloo":
+        yield
+        return
+    index = len(led.records) - 1
+    before = wire.counters()
+    yield
+    after = wire.counters()
+    if before is not None and after is not None:
+        led.set_wire(index, after[0] - before[0], after[1] - before[1])
 
 
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
@@ -52,8 +71,8 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
         raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
     if group_size(group) == 1:
         return None if async_op else x
-    _record("all_reduce", x, group, phase, module, record_to=record_to)
-    with flight.issuing("all_reduce", x, group, module):
+    led = _record("all_reduce", x, group, phase, module, record_to=record_to)
+    with flight.issuing("all_reduce", x, group, module), _on_wire(None if async_op else led, group):
         work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
     increment_version(x)
     return work if async_op else x
@@ -68,8 +87,8 @@ def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
     moved = x.movedim(dim, 0).contiguous()  # (d, ...): all_gather_single concatenates dim 0
     out = moved.new_empty((p * moved.shape[0], *moved.shape[1:]))  # (p*d, ...)
     full = (*x.shape[:dim % x.dim()], p * x.shape[dim], *x.shape[dim % x.dim() + 1:])  # the gathered shape
-    _record("all_gather", out, group, phase, module, record_to=record_to, shape=full)
-    with flight.issuing("all_gather", moved, group, module):
+    led = _record("all_gather", out, group, phase, module, record_to=record_to, shape=full)
+    with flight.issuing("all_gather", moved, group, module), _on_wire(led, group):
         tdist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
@@ -82,8 +101,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
         return x
     check_divisible(x, dim, p, "reduce_scatter")
     moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
-    _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
-    with flight.issuing("reduce_scatter", moved, group, module):
+    led = _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
+    with flight.issuing("reduce_scatter", moved, group, module), _on_wire(led, group):
         if tdist.get_backend(group) == "gloo":
             out = _ring_reduce_scatter(moved, group)
         else:
@@ -115,9 +134,9 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
     """In-place broadcast from group rank ``src``."""
     if group_size(group) == 1:
         return x
-    _record("broadcast", x, group, "forward", module, src=src)
+    led = _record("broadcast", x, group, "forward", module, src=src)
     global_src = tdist.get_global_rank(group, src) if group is not None else src
-    with flight.issuing("broadcast", x, group, module):
+    with flight.issuing("broadcast", x, group, module), _on_wire(led, group):
         tdist.broadcast(x, src=global_src, group=group)
     increment_version(x)
     return x

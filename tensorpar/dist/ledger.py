@@ -12,7 +12,12 @@ rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.
                                            (gloo/broadcast.cc): N per child, ceil(log2 p) at src
 
 where N is the full tensor's bytes: the all-reduced tensor, the all-gather's result, the
-reduce-scatter's input.
+reduce-scatter's input. These are the formula applied to the recorded calls, the same formula the
+planner predicts with: "ledger equals planner" checks the calls and their sizes. What the sockets
+really carried is a separate measure: ``ledger(wire=True)`` also records, for each synchronous
+collective on gloo, the bytes this process's TCP sockets sent and received during the call
+(:mod:`tensorpar.dist.wire`, from the kernel's counters), in ``wire_bytes_sent`` /
+``wire_bytes_received`` (``None`` where not measured: NCCL, asynchronous calls).
 
 While a ledger is open, global module hooks keep a stack of the modules being run, so each record
 names the innermost module that issued it; a collective issued in backward is named after the
@@ -24,7 +29,7 @@ import contextlib
 import contextvars
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -69,7 +74,9 @@ class CollectiveRecord:
     dtype: str
     group_size: int
     payload_bytes: int
-    bytes_sent: int
+    bytes_sent: int  # the ring formula for this call
+    wire_bytes_sent: int | None = None  # what the TCP sockets carried (``ledger(wire=True)``)
+    wire_bytes_received: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,6 +91,7 @@ class Ledger:
     names: dict = field(default_factory=dict)  # id(module) -> qualified name
     records: list = field(default_factory=list)
     is_open: bool = True
+    wire: bool = False  # also count the bytes on the wire (tensorpar.dist.wire) of each synchronous call
     _stack: list = field(default_factory=list)
 
     def current_module(self) -> str:
@@ -99,8 +107,17 @@ class Ledger:
             payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size, rank=rank, src=src,
                                                                broadcast_algorithm=broadcast_algorithm)))
 
+    def set_wire(self, record_index: int, sent: int, received: int) -> None:
+        self.records[record_index] = replace(self.records[record_index], wire_bytes_sent=sent,
+                                             wire_bytes_received=received)
+
     def total_bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.records)
+
+    def wire_bytes_sent(self) -> int | None:
+        """Bytes the sockets carried over every recorded call, or None unless each call was measured."""
+        sent = [r.wire_bytes_sent for r in self.records]
+        return None if any(b is None for b in sent) else sum(sent)
 
     def by_module(self) -> dict:
         return _summarise(self.records, lambda r: r.module)
@@ -110,7 +127,8 @@ class Ledger:
 
     def to_dict(self) -> dict:
         return {"records": [r.to_dict() for r in self.records], "by_module": self.by_module(),
-                "by_op": self.by_op(), "total_bytes_sent": self.total_bytes_sent()}
+                "by_op": self.by_op(), "total_bytes_sent": self.total_bytes_sent(),
+                "wire_bytes_sent": self.wire_bytes_sent()}
 
     def _push(self, module, _inputs):
         self._stack.append(self.names.get(id(module), type(module).__name__))
@@ -146,13 +164,16 @@ def ledger_for_backward(captured: Ledger | None) -> Ledger | None:
 
 
 @contextlib.contextmanager
-def ledger(model: torch.nn.Module | None = None):
+def ledger(model: torch.nn.Module | None = None, *, wire: bool = False):
     """Record every collective issued on this rank inside the block.
 
     ``model``: name records by ``model.named_modules()`` (e.g. ``"layers.0.mlp.down_proj"``);
     without it, by class name. Ledgers nest: the inner one records, the outer resumes after.
+    ``wire``: also count each synchronous call's bytes on the wire (gloo on Linux; tens of
+    microseconds a call, see :mod:`tensorpar.dist.wire`).
     """
-    led = Ledger(names={id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model else {})
+    led = Ledger(names={id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model else {},
+                 wire=wire)
     pre = nn_module.register_module_forward_pre_hook(led._push)
     post = nn_module.register_module_forward_hook(led._pop, always_call=True)
     token = _ACTIVE.set(led)

@@ -3,8 +3,9 @@
 Per rank: load only this rank's slices (``load_sharded``), run the task under the ledger. Rank 0
 also runs the unsplit model on the same inputs. The report holds the task's result (a sentence
 similarity ranking for encoders, greedy tokens for decoders), the largest difference from the
-unsplit model, the parameters each rank holds, and the measured collectives beside the
-planner's prediction for the same run.
+unsplit model, the parameters each rank holds, the collectives the ledger recorded beside the
+planner's prediction for the same run (the same ring formula over the recorded calls: equal means
+the same calls of the same sizes), and the bytes the sockets really carried (gloo).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ class RunReport:
     @property
     def ledger_matches(self) -> bool:
         parts = [self.ledger, *([self.ledger["generation"]] if "generation" in self.ledger else [])]
-        return all(p["measured_bytes_per_rank"] == p["predicted_bytes_per_rank"] for p in parts)
+        return all(p["ledger_bytes_per_rank"] == p["predicted_bytes_per_rank"] for p in parts)
 
     @property
     def ok(self) -> bool:
@@ -135,11 +136,11 @@ def run_worker(spec: dict) -> dict:
     model, load = load_sharded(spec["path"], dtype=dtype)
     model.eval()
     task = _encode if spec["task"] == "sentence-embedding" else _generate
-    with dist.ledger(model=model) as led:
+    with dist.ledger(model=model, wire=True) as led:
         split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
-           "bytes_sent": led.total_bytes_sent(), "split": split}
+           "bytes_sent": led.total_bytes_sent(), "wire_bytes_sent": led.wire_bytes_sent(), "split": split}
     if dist.get_rank() == 0:
         dense = dense_model(spec["path"], dtype)
         out["dense"], out["nonfinite"] = task(dense, spec), nonfinite(dense)
@@ -167,11 +168,12 @@ def _generate(model, spec) -> dict:
     logits = model(input_ids=ids, use_cache=False).logits  # (1, T, V): the compared forward
     # Generation's own collectives (one forward per token, a broadcast of each token) go to a
     # ledger of their own, apart from the forward that is compared with the planner.
-    with dist.ledger() as gen:
+    with dist.ledger(wire=True) as gen:
         tokens, steps = generate(model, ids, spec["max_new_tokens"], return_logits=True)
     return {"output": logits, "tokens": tokens[0, ids.shape[1]:].tolist(), "input_shape": list(ids.shape),
             "step_logits": torch.stack(steps),  # (n, 1, V): what each greedy step chose from
-            "generation_bytes_sent": gen.total_bytes_sent(), "generation_collectives": len(gen.records)}
+            "generation_bytes_sent": gen.total_bytes_sent(), "generation_wire_bytes_sent": gen.wire_bytes_sent(),
+            "generation_collectives": len(gen.records)}
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -200,7 +202,10 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
     batch, seq = rank0["split"]["input_shape"]
     workload = "forward" if task["task"] == "sentence-embedding" else "logits"
     predicted = _predict(ckpt, tp, dtype, batch, seq, workload, backend)
-    ledger = {"workload": workload, "measured_bytes_per_rank": [r["bytes_sent"] for r in per_rank],
+    # ledger_bytes: the ring formula over the recorded calls (the planner's formula: equal means the
+    # same calls of the same sizes); wire_bytes: what the TCP sockets carried (None off gloo)
+    ledger = {"workload": workload, "ledger_bytes_per_rank": [r["bytes_sent"] for r in per_rank],
+              "wire_bytes_per_rank": [r["wire_bytes_sent"] for r in per_rank],
               "predicted_bytes_per_rank": predicted.bytes_sent_per_rank,
               "predicted": [i.to_dict() for i in predicted.items], "collectives": rank0["records"],
               "predicted_per_layer_bytes_per_rank": predicted.per_layer_bytes_sent_per_rank,
@@ -208,7 +213,8 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
               "predicted_per_module": _predicted_per_module(predicted)}
     if task["task"] == "generation":
         gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
-        ledger["generation"] = {"measured_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
+        ledger["generation"] = {"ledger_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
+                                "wire_bytes_per_rank": [r["split"]["generation_wire_bytes_sent"] for r in per_rank],
                                 "predicted_bytes_per_rank": gen.bytes_sent_per_rank}
     return RunReport(model=name, model_path=str(ckpt.path), family=ckpt.family, tp=tp, dtype=dtype, backend=backend,
                      task=task["task"], max_abs_diff=diff, max_rel_diff=diff / scale,
