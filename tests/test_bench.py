@@ -40,8 +40,21 @@ def test_mlp_bench_rows_are_complete_and_the_variants_agree():
         per_round = sorted(a / b for a, b in zip(samples["tensorpar"], samples["torch_tp"]))
         assert r["tensorpar_vs_torch_tp"] == pytest.approx(per_round[len(per_round) // 2], rel=1e-12)
         assert r["max_abs_diff"] <= 1e-5  # both parallel MLPs compute the dense one (float32)
+        assert r["floor_max_abs_diff"] <= 1e-5  # and so does the hand-written floor
     table = mlp_table(rows)
     assert table.count("\n") == 2 + len(rows) and "| 16 | 64 | fwd |" in table
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_floor_computes_the_dense_mlp(world):
+    """The floor the benchmark times is a tensor-parallel MLP, not something cheaper: its output,
+    dX and every gradient slice equal the dense MLP's in float64 (1e-12: summation order only).
+    Catches a floor without its forward or backward all-reduce, or with the bias on every rank."""
+    from tensorpar import dist
+    from tests import _bench_workers as W
+
+    assert all(d <= 1e-12 for d in dist.launch(W.floor_worker, world, 8, 16, deadline=120))
 
 
 @pytest.mark.multirank

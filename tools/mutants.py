@@ -55,6 +55,13 @@ MUTANTS = [
       'sent += (struct.unpack_from("Q", info, _BYTES_SENT)[0] - struct.unpack_from("Q", info, _BYTES_RETRANS)[0]',
       'sent += (struct.unpack_from("Q", info, _BYTES_RECEIVED)[0] - struct.unpack_from("Q", info, _BYTES_RETRANS)[0]',
       ("tests/test_dist.py", "-k", "sockets_carry")),
+    # bench/: the floor is a tensor-parallel MLP, not something cheaper
+    M("bench floor without its forward all-reduce", "bench/mlp.py",
+      "reduce(y_partial.detach())  # forward all-reduce of the output, in place", "pass",
+      ("tests/test_bench.py", "-k", "floor_computes")),
+    M("bench floor without its backward all-reduce of dX", "bench/mlp.py",
+      "reduce(xx.grad)  # backward all-reduce of dX", "pass",
+      ("tests/test_bench.py", "-k", "floor_computes")),
     M("launcher blames the peer that lost its connection", "dist/launcher.py",
       "own = [f for f in failures if not any(s in f.detail for s in _PEER_LOSS)]",
       "own = [f for f in failures if any(s in f.detail for s in _PEER_LOSS)]",

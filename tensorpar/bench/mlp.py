@@ -23,6 +23,7 @@ from torch import nn
 
 from tensorpar import dist
 from tensorpar.bench.baselines import torch_tp_mlp
+from tensorpar.dist.collectives import split_own
 from tensorpar.bench.timing import (interleaved, medians, on_rank0_with_threads, paired_ratio,
                                     wait_ready)
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear
@@ -97,6 +98,8 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
     y_buf = torch.empty(x.shape, dtype=x.dtype)
 
     def compute(reduce=None):
+        """One step; returns what it computed (the output; with backward also dX and the four
+        parameter gradients) so that :func:`floor_max_diff` can check it against the dense MLP."""
         if backward:
             xx = x.detach().requires_grad_(True)
             y_partial = F.linear(F.gelu(F.linear(xx, w1, b1)), w2)
@@ -105,19 +108,39 @@ def _floor_parts(tp: TensorparMLP, x, grad, backward: bool):
             y_partial.add_(b2).backward(grad)  # the bias, added once after the sum
             if reduce:
                 reduce(xx.grad)  # backward all-reduce of dX
+            grads = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        else:
-            with torch.no_grad():
-                y_partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
-                if reduce:
-                    reduce(y_partial)
-                y_partial.add_(b2)
+            return y_partial.detach(), xx.grad, grads
+        with torch.no_grad():
+            y_partial = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
+            if reduce:
+                reduce(y_partial)
+            return y_partial.add_(b2), None, None
 
     def comm():
         for _ in range(2 if backward else 1):
             dist.all_reduce(y_buf)
     return (lambda: compute(dist.all_reduce)), compute, comm
+
+
+def floor_max_diff(dense: DenseMLP, tp: TensorparMLP, x, grad) -> float:
+    """Largest difference of the hand-written floor from the dense MLP: its output, dX and this
+    rank's slice of every parameter gradient (the up projection's rows and the down projection's
+    columns are this rank's chunk; the down bias is whole). A floor that skipped an all-reduce or
+    added the bias on every rank would be timed as a step that computes something else."""
+    floor, _, _ = _floor_parts(tp, x, grad, backward=True)
+    y, dx, (g_w1, g_b1, g_w2, g_b2) = floor()
+    xx = x.detach().clone().requires_grad_(True)
+    ref = dense(xx)
+    ref.backward(grad)
+    want = [(y, ref), (dx, xx.grad), (g_w1, split_own(dense.up.weight.grad, 0)),
+            (g_b1, split_own(dense.up.bias.grad, 0)), (g_w2, split_own(dense.down.weight.grad, 1)),
+            (g_b2, dense.down.bias.grad)]
+    dense.zero_grad(set_to_none=True)
+    forward, _, _ = _floor_parts(tp, x, grad, backward=False)
+    want.append((forward()[0], ref))
+    return max((got - exp).abs().max().item() for got, exp in want)
 
 
 def _repeat(fn, n):
@@ -141,6 +164,7 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 1))
     grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed + 2))
     max_diff = _check_equal(dense, tp, ttp, x)
+    floor_diff = floor_max_diff(dense, tp, x, grad)
     n, rounds = _sampling(tokens, hidden, repeats)
     rows = []
     for backward in (False, True):
@@ -160,6 +184,7 @@ def bench_size(tokens: int, hidden: int, repeats: int, seed: int = 0) -> list[di
         rows.append({"tokens": tokens, "hidden": hidden, "ffn": 4 * hidden,
                      "pass": "fwd+bwd" if backward else "fwd", "tp": dist.get_world_size(),
                      "rounds": rounds, "calls_per_sample": n, "max_abs_diff": max_diff,
+                     "floor_max_abs_diff": floor_diff,
                      "median_s": med, "samples_s": samples,
                      **{f"tensorpar_vs_{d}": paired_ratio(samples, "tensorpar", d)
                         for d in ("torch_tp", "floor", "dense_2t")},

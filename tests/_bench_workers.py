@@ -1,0 +1,14 @@
+"""Module-level worker functions for tests/test_bench.py (spawned ranks must import them)."""
+import torch
+
+from tensorpar.bench.mlp import DenseMLP, TensorparMLP, floor_max_diff
+
+
+def floor_worker(tokens, hidden):
+    """The hand-written floor against the dense MLP, in float64 (exact up to summation order)."""
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    dense = DenseMLP(hidden, 4 * hidden)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    return floor_max_diff(dense, TensorparMLP(dense), x, grad)
