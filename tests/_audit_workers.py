@@ -44,3 +44,22 @@ def audit_worker():
         except ReplicaDriftError as exc:
             out[name] = str(exc)
     return {k: (v.ok, v.checked, v.differs) if hasattr(v, "differs") else v for k, v in out.items()}
+
+
+def deepcopy_worker():
+    """A deep copy of a parallelized model keeps what each parameter is (torch's
+    Parameter.__deepcopy__ drops attributes): the copy's gradient norm equals the original's
+    (replicated tensors counted once) and its audit sees shards as shards."""
+    import copy
+
+    import tensorpar
+    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.training import clip_grad_norm_
+    model = tensorpar.parallelize(make_tiny_model("llama"))
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    norms = []
+    for m in (model, twin):
+        m(input_ids=ids).logits.pow(2).mean().backward()
+        norms.append(clip_grad_norm_(m, 1e9).item())
+    return norms, tensorpar.audit(twin, grads=True).ok, tensorpar.audit(twin).checked == tensorpar.audit(model).checked

@@ -218,6 +218,22 @@ def matrix_worker(archs, tp_sizes) -> dict:
     # the flight recorder, without a signature exchange before each of the proofs' collectives
     dist.check_collectives(False)
     warnings.filterwarnings("ignore")
+    return each_case(archs, tp_sizes, _guarded_check)
+
+
+def _guarded_check(arch, group) -> dict:
+    try:
+        return check(arch, group)
+    except Exception as exc:  # noqa: BLE001 - reported per architecture, the launch goes on
+        if "gloo" in str(exc) or "pair closure" in str(exc):
+            raise  # the group is broken: every later case would fail with it; stop here
+        return {"status": "error", "why": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+
+
+def each_case(archs, tp_sizes, fn) -> dict:
+    """``{(arch, tp): fn(arch, group)}`` for the cases this rank takes part in: on 4 ranks, tp 2 on
+    two sub-groups at once ({0, 1} and {2, 3}, the architectures alternating), tp 4 on all four."""
+    from tensorpar import dist
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else [None]
     results = {}
@@ -227,11 +243,5 @@ def matrix_worker(archs, tp_sizes) -> dict:
         else:
             group, mine = None, archs
         for arch in mine:
-            try:
-                results[(arch, tp)] = check(arch, group)
-            except Exception as exc:  # noqa: BLE001 - reported per architecture, the launch goes on
-                if "gloo" in str(exc) or "pair closure" in str(exc):
-                    raise  # the group is broken: every later case would fail with it; stop here
-                results[(arch, tp)] = {"status": "error", "why": f"{type(exc).__name__}: {exc}",
-                                       "traceback": traceback.format_exc()[-2000:]}
+            results[(arch, tp)] = fn(arch, group)
     return results

@@ -36,3 +36,12 @@ def test_ranks_given_different_prompts_are_refused():
     for r in results():
         assert "input_ids differs from rank 0's on ranks [1]" in r["inputs"]
         assert "input_ids differs from rank 0's on ranks [1]" in r["generate"]
+
+
+def test_a_deep_copy_of_a_split_model_is_still_known_for_what_it_is():
+    """Clipping and the audit read each parameter's tags; a deep copy must not lose them (a copy
+    counting replicated tensors on every rank would clip by a larger norm; its audit would call
+    every shard drifted)."""
+    for (original, copied), audit_ok, same_count in dist.launch(W.deepcopy_worker, 2, deadline=120):
+        assert copied == pytest.approx(original, rel=1e-12)
+        assert audit_ok and same_count

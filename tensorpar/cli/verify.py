@@ -49,22 +49,31 @@ def main(args) -> int:
 def _show(r) -> None:
     from rich.table import Table
 
-    from tensorpar.jobs.verify import ROUNDING_FACTOR
+    from tensorpar.jobs.verify import rounding_factor
     from tensorpar.cli.progress import console
 
     con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}, batch {r.batch} x {r.seq} tokens)")
     for c in r.checks:
+        below = r.dtype != "float64"  # the float64 structure check is a column of its own
         t = Table(title=f"tp={c.tp}: max |split - unsplit| / max |unsplit|, tolerance {c.tolerance_rel:g}; "
-                        f"excess <= 1: within it, or within {ROUNDING_FACTOR:g}x the unsplit model's own "
-                        f"rounding error (against float64)", title_justify="left")
-        for col in ("layer", "activation", "d loss / d activation", "parameter gradients", "excess", ""):
+                        f"excess <= 1: within it, or within {rounding_factor(c.tp):g}x the unsplit model's own "
+                        f"rounding error (against float64)"
+                        + (f"; structure: the same shards in float64 against the float64 unsplit model, "
+                           f"relative {c.structure_tolerance:g}"
+                           + (" (the model computes part of its forward in float32 even in float64)"
+                              if c.structure_tolerance > 1e-10 else "") if below else ""), title_justify="left")
+        for col in ("layer", "activation", "d loss / d activation", "parameter gradients", "excess",
+                    *(("structure",) if below else ()), ""):
             t.add_column(col, justify="right")
         for lay in c.layers:
             verdict = ("[green]ok[/]" if lay.ok else "[red]FIRST DIVERGENCE[/]" if lay.name == c.first_divergence
                        else "[yellow]downstream[/]")
             t.add_row(lay.name, f"{lay.activation_rel:.1e}", f"{lay.activation_grad_rel:.1e}",
-                      f"{lay.param_grad_rel:.1e}", f"{lay.excess:.2g}", verdict)
+                      f"{lay.param_grad_rel:.1e}", f"{lay.excess:.2g}",
+                      *((f"{lay.structure:.2g}",) if below else ()), verdict)
         con.print(t)
+        if c.routing:
+            con.print(f"routing: {c.routing}")
         con.print(f"loss: split {c.loss_split:.8g}, unsplit {c.loss_dense:.8g}; "
                   + (f"[red]first divergence: {c.first_divergence}[/]" if c.first_divergence else "[green]all blocks agree[/]"))

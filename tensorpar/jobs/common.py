@@ -76,9 +76,12 @@ def dense_model(path, dtype: torch.dtype):
     import transformers
     from transformers import AutoConfig
 
+    from tensorpar.sharding.resolve import eager_experts
+
     config = AutoConfig.from_pretrained(path)
     cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
-    return cls.from_pretrained(path, dtype=dtype).eval()
+    model = cls.from_pretrained(path, dtype=dtype).eval()
+    return eager_experts(model) if dtype == torch.float64 else model
 
 
 def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:

@@ -67,6 +67,7 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
     """
     from tensorpar.sharding.apply import parallelize
+    from tensorpar.sharding.resolve import eager_experts
     from tensorpar.sharding.sizes import meta_model
 
     path = Path(path)
@@ -77,6 +78,8 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     dtype = _pick_dtype(dtype, config)
     with _default_dtype(dtype):  # as from_pretrained builds it: tensors a module does not fix take dtype
         model = meta_model(config, model_class)
+    if dtype == torch.float64:
+        eager_experts(model)
     sources, unexpected = map_checkpoint(model, {k: m[1] for k, m in meta.items()})
     source_of = _check_tensors(model, sources, meta, path)
     dtypes = _dtypes(model, dtype)

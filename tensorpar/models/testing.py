@@ -190,10 +190,8 @@ def make_tiny_model(arch: str, *, seed: int = 0, dtype=torch.float64, head: bool
     grouped-matmul kernel does not)."""
     config = make_tiny_config(arch, **sizes)
     torch.manual_seed(seed)
-    model = model_class(config, head)(config).to(dtype).eval()
-    if hasattr(model.config, "_experts_implementation"):
-        model.config._experts_implementation = "eager"
-    return model
+    from tensorpar.sharding.resolve import eager_experts
+    return eager_experts(model_class(config, head)(config).to(dtype).eval())
 
 
 def make_tiny_checkpoint(directory, arch: str = "llama", *, seed: int = 0,

@@ -60,6 +60,9 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
+    from tensorpar.sharding.commit import restore_tags
+
+    restore_tags(model)  # a deep copy of a parallelized model: its parameters' replica counts
     group, tp_size = _group(model)
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tensorpar import dist
+from tensorpar.sharding.commit import restore_tags
 
 
 class ReplicaDriftError(RuntimeError):
@@ -76,6 +77,7 @@ def audit(model, *, grads: bool = False, raise_on_drift: bool = False) -> AuditR
     if report is None:
         raise ValueError("audit needs a model parallelized by tensorpar.parallelize or load_sharded "
                          "(it has no tp_report)")
+    restore_tags(model)  # a deep copy of a parallelized model: which parameters are shards
     group = report.tp_group
     sums = {}
     for name, t in _replicated(model):

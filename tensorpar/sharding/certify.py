@@ -63,6 +63,7 @@ def certify(model, plan, tp_group, example_inputs=None) -> dict:
 
     Every rank builds the same replica (same seed), so the proof's collectives line up."""
     from tensorpar.sharding.apply import parallelize
+    from tensorpar.sharding.resolve import eager_experts
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise ValueError(f"cannot prove the split of {type(model).__name__} on the meta device: it has no "
@@ -77,8 +78,7 @@ def certify(model, plan, tp_group, example_inputs=None) -> dict:
         raise ValueError(f"cannot prove the split of this {config.model_type} model: a small replica of its "
                          f"config does not build ({type(exc).__name__}: {exc}); pass prove=False to split "
                          f"it unproved") from None
-    if hasattr(replica.config, "_experts_implementation"):
-        replica.config._experts_implementation = "eager"  # float64 (transformers' grouped kernel is not)
+    eager_experts(replica)  # float64
     plan = copy.deepcopy(plan) if isinstance(plan, dict) else plan
     parallelize(replica, plan, tp_group=tp_group, example_inputs=example_inputs, prove=True)
     return dict(replica.tp_report.whole)

@@ -243,3 +243,24 @@ def tag_params(model, built: dict, tp_size: int, res) -> None:
             p.tp_replicas = tp_size  # untouched by the plan: whole on every rank
         if not hasattr(p, "tp_spec"):
             p.tp_spec = ShardSpec(name)
+    # the same tags by parameter name on the model itself: torch's Parameter.__deepcopy__ keeps
+    # only the data and requires_grad, and a copied model must not lose them (restore_tags)
+    model._tp_param_tags = {name: {k: getattr(p, k) for k in _TAGS if hasattr(p, k)}
+                            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+_TAGS = ("tp_spec", "tp_replicas", "tp_row_replicas")
+
+
+def restore_tags(model) -> None:
+    """Give back the tags of :func:`tag_params` to parameters that lost them: those of a
+    ``copy.deepcopy`` of a parallelized model. Everything that reads the tags (clipping, the
+    audit, verify, the inventory) calls this first; a model never parallelized is left alone."""
+    table = getattr(model, "_tp_param_tags", None)
+    if not table:
+        return
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tags = table.get(name)
+        if tags and not hasattr(p, "tp_spec"):
+            for k, v in tags.items():
+                setattr(p, k, v)

@@ -263,8 +263,14 @@ def _runnable(model, tp_size: int):
                          f"pairs of linears to split are found by running it; pass a plan dict")
     torch.manual_seed(REPLICA_SEED)
     replica = type(model)(tiny_like(config, tp_size)).to(torch.float64).eval()
-    if hasattr(replica.config, "_experts_implementation"):
-        replica.config._experts_implementation = "eager"
-    return replica
+    return eager_experts(replica)
+
+
+def eager_experts(model):
+    """Make a model's mixture-of-experts layers run transformers' eager experts loop, which takes
+    float64 (its grouped-matmul kernel takes float32, bfloat16 and float16 only). Returns ``model``."""
+    if hasattr(getattr(model, "config", None), "_experts_implementation"):
+        model.config._experts_implementation = "eager"
+    return model
 
 
