@@ -337,6 +337,11 @@ def torchrun_user_code(out_path):
 
 
 def sleepy_worker_with_pid(directory):
+    """Each rank starts a process of its own (a grandchild of the launcher), then sleeps."""
+    import subprocess
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.child.pid"), "w") as f:
+        f.write(str(child.pid))
     with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(120)

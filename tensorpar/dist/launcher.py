@@ -10,7 +10,9 @@ Fail-fast: the parent watches every rank. The first rank that raises or dies (a 
 the OOM killer) makes the parent stop all the others and raise :class:`RankFailedError` naming
 that rank and its exception. Collectives carry ``timeout`` seconds, and ``deadline`` bounds the
 whole launch (one hour unless given), so nothing waits forever; children also ask the kernel to
-kill them if the parent dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher.
+kill them if the parent dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher, and a
+reaper process (:mod:`tensorpar.dist.reaper`) stops what the ranks started if the launcher is
+SIGKILLed.
 
 The flight recorder (:mod:`tensorpar.dist.flight`) tells the parent which collective each rank is
 in: two ranks in different collectives of one group stop the launch within seconds with
@@ -24,6 +26,7 @@ import ctypes
 import datetime
 import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as tdist
 
 from tensorpar.dist import flight
+from tensorpar.dist.reaper import Reaper
 
 _POLL_S = 0.05
 _FLIGHT_POLL_S = 0.5
@@ -154,21 +158,60 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     backend = resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
-    results: "mp.Queue" = ctx.Queue()
+    results = _Inbox(ctx, world_size)
     slots = [flight.new_slot(ctx) for _ in range(world_size)]
     _sweep_stale_rendezvous()
     with tempfile.TemporaryDirectory(prefix=f"{_RDZV_PREFIX}{os.getpid()}-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
-                             args=(rank, world_size, store, backend, timeout, fn, args, results, slots[rank]))
+                             args=(rank, world_size, store, backend, timeout, fn, args, results.sender(rank),
+                                   slots[rank]))
                  for rank in range(world_size)]
+        reaper = Reaper()  # stops the ranks' groups if this process dies without doing it
         try:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 p.start()
+                results.started(rank)
+                reaper.add(p.pid)
             return _collect(procs, results, deadline, slots)
         finally:
             _stop_all(procs)
+            reaper.done()
             results.close()
+
+
+class _Inbox:
+    """The ranks' results, one pipe per rank (no named semaphore, unlike ``multiprocessing.Queue``:
+    nothing left in /dev/shm and no "leaked semaphore" warning when this process is SIGKILLed, and
+    no reader lock for a Ctrl-C to interrupt). ``get`` takes one message, like ``Queue.get``."""
+
+    def __init__(self, ctx, world_size: int):
+        pairs = [ctx.Pipe(duplex=False) for _ in range(world_size)]  # (receive end, send end)
+        self._receivers = [r for r, _ in pairs]
+        self._senders = [w for _, w in pairs]
+
+    def sender(self, rank: int):
+        return self._senders[rank]
+
+    def started(self, rank: int) -> None:
+        self._senders[rank].close()  # the rank holds its own copy: a rank gone means EOF here
+
+    def get(self, timeout: float):
+        """``(rank, status, payload)``; ``queue.Empty`` if no rank sends one within ``timeout``."""
+        open_ = [r for r in self._receivers if not r.closed]
+        if not open_:  # every rank has sent or gone: the caller looks at exit codes
+            time.sleep(timeout)
+            raise queue.Empty
+        for conn in mp.connection.wait(open_, timeout):
+            try:
+                return conn.recv()
+            except (EOFError, OSError):  # the rank exited (its exit code says how); stop watching it
+                conn.close()
+        raise queue.Empty
+
+    def close(self) -> None:
+        for conn in (*self._receivers, *self._senders):
+            conn.close()
 
 
 def _check_launch_args(fn, world_size, timeout, deadline) -> None:
@@ -345,9 +388,9 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
         value = fn(*args)
         buf = io.BytesIO()
         torch.save(_to_cpu(value), buf)
-        results.put((rank, "ok", buf.getvalue()))
+        results.send((rank, "ok", buf.getvalue()))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
-        results.put((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        results.send((rank, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
         raise SystemExit(1)
     finally:
         if tdist.is_initialized():
