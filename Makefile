@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # resolves a newer (CUDA) build; constraints.txt pins every other version CI installs.
 PIP_INSTALL = $(VPY) -m pip install -q -c constraints.txt
 
-.PHONY: run test bench coverage mutants venv clean
+.PHONY: run test bench coverage mutants faults venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ coverage: $(STAMP)
 # Deliberate one-line faults, each against the tests that must catch it (tools/mutants.py; not in CI).
 mutants: $(STAMP)
 	$(VPY) tools/mutants.py --baseline
+
+# The fault-injection catalogue with totals by class (bad inputs, faults, leaks); about a minute.
+faults: $(STAMP)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) tools/faults.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,13 +36,29 @@ def main(args) -> int:
         raise ValueError(f"--repeats {args.repeats}: need at least 3 rounds for a median")
     from tensorpar.bench import report
 
+    from tensorpar.cli.progress import Phases
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    with Phases(quiet=args.json) as phase:
+        results, tables, files = _run(args, suites, out, report, phase)
+    if args.json:
+        print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
+        return 0
+    for name, table in tables.items():
+        print(f"\n## {name}\n\n{table}")
+    print("wrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
+def _run(args, suites, out, report, phase):
     results, tables, files = {}, {}, []
     if "mlp" in suites:
         from tensorpar.bench.mlp import DEFAULT_SIZES, run_mlp_bench
 
-        rows = run_mlp_bench(DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES, args.repeats)
+        sizes = DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES
+        with phase(f"MLP suite: {len(sizes)} sizes x (fwd, fwd+bwd), tp=2"):
+            rows = run_mlp_bench(sizes, args.repeats)
         results["mlp"], tables["mlp"] = rows, report.mlp_table(rows)
         (out / "mlp.md").write_text(tables["mlp"])
         files += [out / "mlp.md", report.plot_ratios(rows, out / "mlp.png", {
@@ -51,17 +67,12 @@ def main(args) -> int:
     if "models" in suites:
         from tensorpar.bench.models import QUICK, run_models_bench
 
-        rows = run_models_bench(args.repeats, **(QUICK if args.quick else {}))
+        with phase("models suite: against HF tp_plan and unsplit, tp=2"):
+            rows = run_models_bench(args.repeats, **(QUICK if args.quick else {}))
         results["models"], tables["models"] = rows, report.models_table(rows)
         (out / "models.md").write_text(tables["models"])
         files += [out / "models.md", report.plot_model_ratios(rows, out / "models.png", {
             "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
             "models, tp=2")]
     files.append(report.write_json(results, out / "results.json"))
-    if args.json:
-        print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
-        return 0
-    for name, table in tables.items():
-        print(f"\n## {name}\n\n{table}")
-    print("wrote: " + ", ".join(str(f) for f in files), file=sys.stderr)
-    return 0
+    return results, tables, files

@@ -150,7 +150,10 @@ def main(args) -> int:
         return main_inventory(args)
     model, hardware = build_model(args), build_hardware(args)
     if args.search:
-        result = run_search(args, model, hardware)
+        from tensorpar.cli.progress import Phases
+
+        with Phases(quiet=args.json) as phase, phase(f"searching tp x pp x dp over {args.devices} devices"):
+            result = run_search(args, model, hardware)
     else:
         layout = P.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
                           global_batch=args.global_batch, workload=args.workload, **layout_options(args))
@@ -216,8 +219,11 @@ def main_inventory(args) -> int:
     if given:
         raise ValueError(f"{', '.join(given)}: planned by the formula path only (presets, or --model of "
                          f"{', '.join(P.hfconfig.SUPPORTED)}); a plan from tensorpar's own split covers tp alone")
+    from tensorpar.cli.progress import Phases
+
     path = _config_file(args.model)
-    inv = build_inventory(path, args.tp, head=True)
+    with Phases(quiet=args.json) as phase, phase(f"meta-device model, its split for each of {args.tp} ranks"):
+        inv = build_inventory(path, args.tp, head=True)
     seq = args.seq or _max_positions(path)
     workload = "train" if args.workload == "train" else "inference"
     report = P.plan_inventory(inv, build_hardware(args), batch=args.micro_batch, seq=seq, dtype=args.dtype,

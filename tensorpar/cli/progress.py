@@ -1,5 +1,6 @@
-"""Terminal output: a spinner on stderr while a long step runs (never on stdout, which --json
-keeps clean), and the console reports print to."""
+"""Terminal output: the phases of a long command with their elapsed time, on stderr while they
+run (never on stdout, which --json keeps clean; nothing at all when stderr is not a terminal, or
+with --json), and the console reports print to."""
 from __future__ import annotations
 
 import contextlib
@@ -20,12 +21,39 @@ def console(**kw):
     return Console(width=None if sys.stdout.isatty() else 120, **kw)
 
 
-@contextlib.contextmanager
-def status(message: str, *, quiet: bool = False):
-    if quiet:
-        yield
-        return
-    from rich.console import Console
+class Phases:
+    """``with Phases(quiet) as phases: with phases("loading"): ...``: each phase a line on stderr
+    with a spinner and its elapsed time while it runs, then a check mark and the time it took.
+    Quiet (no output at all) when asked, when stderr is not a terminal (a pipe, a log file, CI) or
+    on a torchrun process other than rank 0."""
 
-    with Console(stderr=True).status(message):
-        yield
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet or not sys.stderr.isatty() or not reporting_rank()
+        self._progress = None
+
+    def __enter__(self):
+        if not self.quiet:
+            from rich.console import Console
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"),
+                                      TimeElapsedColumn(), console=Console(stderr=True))
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+        return False
+
+    @contextlib.contextmanager
+    def __call__(self, text: str):
+        if self._progress is None:
+            yield
+            return
+        task = self._progress.add_task(text, total=1)
+        try:
+            yield
+        finally:
+            self._progress.update(task, completed=1)
+            self._progress.stop_task(task)

@@ -32,14 +32,13 @@ def _ids(text: str | None):
 
 
 def main(args) -> int:
-    from tensorpar.cli.progress import reporting_rank, status
+    from tensorpar.cli.progress import Phases, reporting_rank
     from tensorpar.jobs.run import run
 
-    with status(f"splitting the model over {args.tp} ranks: loading shards, running, comparing",
-                quiet=args.json or not reporting_rank()):
+    with Phases(quiet=args.json) as phase:
         report = run(args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
                      sentences=args.sentence, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
-                     max_new_tokens=args.max_new_tokens)
+                     max_new_tokens=args.max_new_tokens, phase=phase)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0 if report.ok else 1
     if args.json:

@@ -27,12 +27,12 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(args) -> int:
-    from tensorpar.cli.progress import reporting_rank, status
+    from tensorpar.cli.progress import Phases, reporting_rank
     from tensorpar.jobs.verify import verify
 
-    with status("running the split and unsplit models forward and backward", quiet=args.json or not reporting_rank()):
+    with Phases(quiet=args.json) as phase:
         report = verify(args.model, _sizes(args.tp), dtype=args.dtype, batch=args.batch, seq=args.seq,
-                        backend=args.backend, inject_fault=args.inject_fault)
+                        backend=args.backend, inject_fault=args.inject_fault, phase=phase)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0 if report.ok else 1
     if args.json:

@@ -2,6 +2,7 @@
 loading the unsplit model both compare against."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,3 +126,8 @@ def nonfinite(model) -> list[str]:
     """Names of this rank's parameters holding NaN or inf (a checkpoint's, once loaded): a split
     of such weights compares NaN with NaN, which no tolerance judges."""
     return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def no_phase(text: str):
+    """The jobs' default ``phase``: a phase shown nowhere (the CLI passes one that shows it)."""
+    return contextlib.nullcontext()

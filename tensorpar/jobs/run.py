@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, nonfinite,
-                                   open_checkpoint, parse_dtype, quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, no_phase,
+                                   nonfinite, open_checkpoint, parse_dtype, quiet_transformers)
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.",
@@ -66,18 +66,22 @@ class RunReport:
 
 
 def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "auto",
-        sentences=None, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 16) -> RunReport:
-    """Shard ``model_dir`` (default: the packaged all-MiniLM-L6-v2) over ``tp`` local ranks."""
+        sentences=None, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 16,
+        phase=no_phase) -> RunReport:
+    """Shard ``model_dir`` (default: the packaged all-MiniLM-L6-v2) over ``tp`` local ranks.
+    ``phase(text)``: a context manager around each phase (the CLI shows them with their time)."""
     from tensorpar.models.minilm import minilm_path
 
-    ckpt = open_checkpoint(model_dir if model_dir is not None else minilm_path())
-    name = "all-MiniLM-L6-v2" if model_dir is None else ckpt.path.name
-    parse_dtype(dtype)
-    fixes = check_tp(ckpt, tp)
-    task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens)
-    backend = dist.resolve_backend(backend, tp)
+    with phase("checking the checkpoint (headers, sizes, tp)"):
+        ckpt = open_checkpoint(model_dir if model_dir is not None else minilm_path())
+        name = "all-MiniLM-L6-v2" if model_dir is None else ckpt.path.name
+        parse_dtype(dtype)
+        fixes = check_tp(ckpt, tp)
+        task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens)
+        backend = dist.resolve_backend(backend, tp)
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}
-    per_rank = dist.launch(run_worker, tp, spec, backend=backend)
+    with phase(f"{tp} ranks: shards, {task['task']}; rank 0: unsplit model"):
+        per_rank = dist.launch(run_worker, tp, spec, backend=backend)
     return _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task)
 
 

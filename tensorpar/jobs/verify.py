@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, nonfinite,
-                                   open_checkpoint, parse_dtype, quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, no_phase,
+                                   nonfinite, open_checkpoint, parse_dtype, quiet_transformers)
 
 
 def rounding_factor(tp: int) -> float:
@@ -122,9 +122,23 @@ class VerifyReport:
 
 
 def verify(model_dir, tp_sizes, *, dtype: str = "float32", batch: int = 2, seq: int = 16,
-           backend: str = "auto", inject_fault: int | None = None) -> VerifyReport:
+           backend: str = "auto", inject_fault: int | None = None, phase=no_phase) -> VerifyReport:
     """Compare the split and unsplit models at each tp size; ``inject_fault``: corrupt block
-    ``inject_fault`` of the last rank's shard (to see what a divergence looks like)."""
+    ``inject_fault`` of the last rank's shard (to see what a divergence looks like); ``phase(text)``:
+    a context manager around each phase (the CLI shows them with their time)."""
+    with phase("checking the checkpoint (headers, sizes, tp)"):
+        ckpt = _checked_args(model_dir, tp_sizes, dtype, batch, seq, inject_fault)
+    checks = []
+    for tp in tp_sizes:
+        spec = {"path": str(ckpt.path), "dtype": dtype, "batch": batch, "seq": seq,
+                "decoder": is_decoder(ckpt), "inject_fault": inject_fault}
+        refs = "" if dtype == "float64" else " + float64 copies"
+        with phase(f"tp={tp}: shards, unsplit model{refs}; forward, backward"):
+            checks.append(dist.launch(verify_worker, tp, spec, backend=dist.resolve_backend(backend, tp))[0])
+    return VerifyReport(str(ckpt.path), ckpt.family, dtype, batch, seq, checks)
+
+
+def _checked_args(model_dir, tp_sizes, dtype, batch, seq, inject_fault):
     ckpt = open_checkpoint(model_dir)
     parse_dtype(dtype)
     for name, v in (("--batch", batch), ("--seq", seq)):
@@ -138,12 +152,7 @@ def verify(model_dir, tp_sizes, *, dtype: str = "float32", batch: int = 2, seq: 
     n_layers = _n_layers(ckpt.config)
     if inject_fault is not None and not 0 <= inject_fault < n_layers:
         raise ValueError(f"--inject-fault {inject_fault}: valid blocks are 0..{n_layers - 1}")
-    checks = []
-    for tp in tp_sizes:
-        spec = {"path": str(ckpt.path), "dtype": dtype, "batch": batch, "seq": seq,
-                "decoder": is_decoder(ckpt), "inject_fault": inject_fault}
-        checks.append(dist.launch(verify_worker, tp, spec, backend=dist.resolve_backend(backend, tp))[0])
-    return VerifyReport(str(ckpt.path), ckpt.family, dtype, batch, seq, checks)
+    return ckpt
 
 
 def _n_layers(config: dict) -> int:
