@@ -47,7 +47,6 @@ MORE_BAD_INPUTS = [
 
 
 def bad_inputs() -> list[tuple[str, bool, str]]:
-    import pytest  # noqa: F401 - tests.test_cli_jobs imports it
     from tensorpar.models.testing import make_tiny_checkpoint
     from tests._cli_batch import run_all
     from tests.test_cli_jobs import RUN_ERRORS, VERIFY_ERRORS, _broken_checkpoints
