@@ -63,3 +63,29 @@ def deepcopy_worker():
         m(input_ids=ids).logits.pow(2).mean().backward()
         norms.append(clip_grad_norm_(m, 1e9).item())
     return norms, tensorpar.audit(twin, grads=True).ok, tensorpar.audit(twin).checked == tensorpar.audit(model).checked
+
+
+def training_audit_worker():
+    """train_step(audit=True): a clean step passes; one rank's optimizer with another learning
+    rate makes the replicated norms drift, named after that step; different batches are refused
+    before it."""
+    import tensorpar
+    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.training import train_step
+    from tensorpar.sharding.audit import ReplicaDriftError
+    model = tensorpar.parallelize(make_tiny_model("llama"))
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    out["clean"] = train_step(model, opt, ids, audit=True)["loss"] > 0
+    for name, step in (("lr", lambda: train_step(model, torch.optim.SGD(model.parameters(),
+                                                                          lr=1e-2 * (1 + dist.get_rank())),
+                                                 ids, audit=True)),
+                       ("batch", lambda: train_step(model, opt, ids if dist.get_rank() == 0 else ids.flip(1),
+                                                    audit=True))):
+        try:
+            step()
+            out[name] = None
+        except ReplicaDriftError as exc:
+            out[name] = str(exc)
+    return out

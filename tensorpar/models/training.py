@@ -90,11 +90,26 @@ def _share_of_square(p) -> torch.Tensor:
 
 
 def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
-               max_norm: float | None = None) -> dict:
-    """One step: loss, backward, optional clipping, optimizer step; ``{"loss", "grad_norm"}``."""
+               max_norm: float | None = None, audit: bool = False) -> dict:
+    """One step: loss, backward, optional clipping, optimizer step; ``{"loss", "grad_norm"}``.
+
+    ``audit``: also check that every rank got the same batch and, after the step, that every
+    replicated parameter is still bit-identical across the group (:func:`tensorpar.audit`):
+    :class:`~tensorpar.sharding.audit.ReplicaDriftError` names what drifted (ranks seeded or fed
+    differently, an optimizer configured differently on one rank). Costs a hash of every
+    replicated tensor and one small all-gather: worth it every few hundred steps, or in a test.
+    """
+    if audit:
+        from tensorpar.sharding.audit import check_same_inputs
+
+        check_same_inputs(model.tp_report.tp_group, input_ids=input_ids, labels=labels)
     optimizer.zero_grad(set_to_none=True)
     loss = causal_lm_loss(model, input_ids, labels)
     loss.backward()
     norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
     optimizer.step()
+    if audit:
+        from tensorpar.sharding.audit import audit as audit_replicas
+
+        audit_replicas(model, raise_on_drift=True)
     return {"loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm)}
