@@ -207,7 +207,7 @@ def flaky_init_rank(rank, world_size, store, results):
 
     import torch.distributed as tdist
 
-    from tensorpar.dist import launcher
+    from tensorpar.dist import rendezvous
 
     real, calls = tdist.init_process_group, []
 
@@ -221,7 +221,7 @@ def flaky_init_rank(rank, world_size, store, results):
     tdist.init_process_group = flaky
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        launcher._init_group("gloo", store, rank, world_size, datetime.timedelta(seconds=30))
+        rendezvous._init_group("gloo", store, rank, world_size, datetime.timedelta(seconds=30))
     x = torch.ones(3) * (rank + 1)
     tdist.all_reduce(x)
     results.put((rank, len(calls), x.tolist(), [str(w.message) for w in caught]))

@@ -24,6 +24,19 @@ from tests._matrix_workers import BATCH, SEQ, each_case
 DTYPES = ("float32", "bfloat16")
 
 
+def _as_loaded(model, dtype_name: str):
+    """``model`` in ``dtype_name`` as ``dense_model`` and ``load_sharded`` give it to verify: below
+    float64, mixture-of-experts layers run transformers' own default kernel (grouped matmuls),
+    not the eager loop the float64 reference needs."""
+    model = model.to(getattr(torch, dtype_name))
+    if hasattr(model.config, "_experts_implementation"):
+        model.config._experts_implementation = _DEFAULT_EXPERTS
+    return model
+
+
+_DEFAULT_EXPERTS = "grouped_mm"  # transformers 5's default for models built from a config
+
+
 def sweep_check(arch: str, group) -> dict:
     from transformers.utils import logging as hf_logging
 
@@ -39,8 +52,7 @@ def sweep_check(arch: str, group) -> dict:
         ref(**inputs, use_cache=False)  # for full attention on short inputs): every copy runs the same modules
     # copied before the reference's forward with gradients: a model that keeps state from it
     # (recurrent_gemma) cannot be copied after
-    copies = {name: (copy.deepcopy(ref).to(getattr(torch, name)), copy.deepcopy(ref).to(getattr(torch, name)))
-              for name in DTYPES}
+    copies = {name: (_as_loaded(copy.deepcopy(ref), name), _as_loaded(copy.deepcopy(ref), name)) for name in DTYPES}
     try:
         split64 = parallelize(copy.deepcopy(ref), tp_group=group, prove=False)
     except ValueError as exc:  # an architecture the split refuses: nothing to judge

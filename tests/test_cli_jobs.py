@@ -97,16 +97,16 @@ def test_verify_in_bfloat16(checkpoints, dtype, fault, first):
 
 
 def test_verify_replays_a_routers_choices_in_bfloat16(tmp_path):
-    """A mixture of experts in bfloat16 at tp 4: near-ties in the router can round either way in
-    the split and the unsplit model (an O(1) difference for that token, nothing wrong: 14x past
-    the allowance on the tiny Mixtral before the replay). The float64 model's choices are replayed
-    in both, every call of them, and verify says ok."""
+    """A mixture of experts in bfloat16: near-ties in the router can round either way in the split
+    and the unsplit model (an O(1) difference for that token, nothing wrong). On this tiny Mixtral
+    at tp 2 a token is routed differently without the replay (worst excess 1.6: a false
+    divergence); with the float64 model's choices replayed in both, every call of them, 0.1."""
     from tensorpar.models.testing import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "mixtral", "mixtral")
-    r = tensorpar("verify", "--model", str(path), "--tp", "4", "--dtype", "bfloat16", "--json")
+    r = tensorpar("verify", "--model", str(path), "--tp", "2,4", "--dtype", "bfloat16", "--json")
     assert r.returncode == 0, r.stderr
-    check = json.loads(r.stdout)["checks"][0]
-    assert "top-k choices (routers) replayed" in check["routing"] and "stopped" not in check["routing"]
+    for check in json.loads(r.stdout)["checks"]:
+        assert "top-k choices (routers) replayed" in check["routing"] and "stopped" not in check["routing"]
 
 
 @pytest.mark.parametrize("tp", [2, 3])

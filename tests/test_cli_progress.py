@@ -43,3 +43,14 @@ def test_nothing_on_stderr_when_it_is_a_pipe():
     r = subprocess.run([sys.executable, "-m", "tensorpar", "plan", "--model", "llama-2-70b", "--search",
                         "--devices", "64"], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert "searching" not in r.stderr and "searching" not in r.stdout
+
+
+def test_a_phase_that_fails_is_not_shown_done():
+    """The inventory path builds the model before anything else: an unknown model type fails in
+    that phase, which shows a cross, not a check mark, and the error line follows."""
+    import json
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        (open(os.path.join(d, "config.json"), "w")).write(json.dumps({"model_type": "not_a_model"}))
+        out, term = _on_a_terminal("plan", "--model", os.path.join(d, "config.json"), "--tp", "2")
+    assert "✗" in term and "✓" not in term and "failed after" in term, term

@@ -232,7 +232,13 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     while not _ranks_gone(tmp_path, 2) and time.monotonic() - t0 < 10:
         time.sleep(0.2)
     assert _ranks_gone(tmp_path, 2), "ranks, or processes they started, outlived a killed launcher"
-    # nothing left in /dev/shm by this launch, and no "leaked semaphore" warning on its stderr
+    # nothing left in /dev/shm by this launch, no "leaked semaphore" warning on its stderr, and
+    # its rendezvous folder (named after its pid) removed by the reaper, not left for the next launch
+    import tempfile
+    t0 = time.monotonic()
+    while list(Path(tempfile.gettempdir()).glob(f"tensorpar-rdzv-{proc.pid}-*")) and time.monotonic() - t0 < 10:
+        time.sleep(0.2)
+    assert not list(Path(tempfile.gettempdir()).glob(f"tensorpar-rdzv-{proc.pid}-*"))
     assert _shm() <= shm_before, _shm() - shm_before
     assert "leaked" not in proc.stderr.read()
 
@@ -408,7 +414,7 @@ def test_a_launch_has_a_deadline_by_default():
 
 
 def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch):
-    from tensorpar.dist import launcher
+    from tensorpar.dist import rendezvous
     env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -418,7 +424,7 @@ def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch):
         dist.launch(W.pid_worker, 2)
     assert time.monotonic() - t0 < 2  # at once: no rendezvous was tried
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(launcher, "RENDEZVOUS_S", 2.0)
+    monkeypatch.setattr(rendezvous, "RENDEZVOUS_S", 2.0)
     with pytest.raises(ValueError, match=r"rank 0 of 2: no rendezvous at 127.0.0.1:29999 within 2s"):
         dist.launch(W.pid_worker, 2)
     assert time.monotonic() - t0 < 15

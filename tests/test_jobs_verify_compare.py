@@ -7,7 +7,7 @@ test: a float32 gradient is rounding noise around a float64 value, a wrong one i
 """
 import torch
 
-from tensorpar.jobs.verify import _excess, _param_grads, rounding_factor
+from tensorpar.jobs.verify import LayerCheck, TPCheck, _excess, _param_grads, rounding_factor
 from tensorpar.sharding.spec import ShardSpec
 
 TOL = 1e-5  # float32's tolerance
@@ -91,3 +91,18 @@ def test_rounding_errors_are_compared_as_norms_not_maxima():
     everywhere = exact + 20 * (dense - exact).abs().max().item() * torch.sign(noise)
     rel = (everywhere - dense).abs().max().item() / dense.abs().max().item()
     assert _excess(rel, everywhere, dense, exact, 5e-2, FACTOR) > 1
+
+
+def test_a_layer_is_ok_only_when_both_questions_say_so():
+    """Rounds like the unsplit model but wrong in float64 (a fault rounding hides in bfloat16):
+    not ok; and the first divergence is the first block whose float64 output departs, not the
+    last layer the gradients reach."""
+    assert not LayerCheck.judged("block 0", 0.0, 0.0, 0.0, excess=0.5, structure=5.0).ok
+    assert not LayerCheck.judged("block 0", 0.0, 0.0, 0.0, excess=5.0, structure=0.5).ok
+    assert LayerCheck.judged("block 0", 0.0, 0.0, 0.0, excess=0.5, structure=0.5).ok
+    check = TPCheck(tp=2, tolerance_rel=5e-2)
+    check.layers = [LayerCheck.judged("embeddings", 0.0, 0.0, 0.0, 0.5, 3.0, 0.0),
+                    LayerCheck.judged("block 0", 0.0, 0.0, 0.0, 0.5, 0.5, 0.0),
+                    LayerCheck.judged("block 1", 1e-3, 0.0, 0.0, 0.5, 40.0, 20.0),
+                    LayerCheck.judged("block 2", 1e-3, 0.0, 0.0, 0.5, 30.0, 15.0)]
+    assert check.first_divergence == "block 1"

@@ -55,9 +55,7 @@ def results() -> dict:
 def test_verify_judges_right_both_ways(arch, tp):
     r = results().get((arch, tp))
     assert r is not None, f"no rank ran {arch} at tp {tp}"
-    assert r["status"] in ("ran", "refused"), r.get("traceback", r)
-    if r["status"] == "refused":
-        return
+    assert r["status"] == "ran", r.get("traceback", r)  # every architecture splits (the matrix's claim)
     assert r["structure"]["clean_excess"] <= 1, r["structure"]
     assert r["structure"]["faulty_excess"] > 1, r["structure"]
     for dtype in DTYPES:

@@ -9,8 +9,9 @@ Three classes, each case judged by what a user would see:
   in different collectives, a rank stuck outside any collective, the deadline passing, the
   launcher SIGKILLed or interrupted): the launch must end with the named error naming the right
   rank or calls, within the stated seconds;
-- **leak**: after every case, what is left: processes this one started (directly or not) still
-  alive 10 s later, new entries in /dev/shm, new rendezvous folders.
+- **leak**: what is left: after every fault, new entries in /dev/shm and new rendezvous folders
+  (a case that leaves one fails); after all cases, processes this one started (directly or not)
+  still alive 10 s later.
 
     python tools/faults.py          # prints one line per case, then the totals; exit 1 on any miss
 
@@ -128,32 +129,82 @@ def faults() -> list[tuple[str, bool, str]]:
         with tempfile.TemporaryDirectory() as d:
             expect_words = [f"rank {bad} failed", "boom on purpose" if how == "raise" else "SIGKILL"]
             ok, msg = _launch_case(W.pid_file_worker, world, d, bad, how, expect=dist.RankFailedError,
-                                   words=expect_words, bound_s=90, timeout=300)
-            out.append((f"rank {bad} of {world} {'raises' if how == 'raise' else 'is SIGKILLed'}", ok, msg))
+                                   words=expect_words, bound_s=30 if world == 2 else 45, timeout=300)
+            out.append(_with_leaks((f"rank {bad} of {world} {'raises' if how == 'raise' else 'is SIGKILLed'}", ok, msg)))
     cases = [
         ("a rank dies, its peers lose the connection", W.dying_worker, 3, (1,),
-         dict(timeout=30, deadline=60), dist.RankFailedError, ["rank 1 failed: RankDied"], 60),
+         dict(timeout=30, deadline=60), dist.RankFailedError, ["rank 1 failed: RankDied"], 30),
         ("a rank raises while its peer waits in a collective", W.raising_peer_worker, 2, (),
-         dict(deadline=60), dist.RankFailedError, ["rank 1 failed: ValueError"], 60),
+         dict(deadline=60), dist.RankFailedError, ["rank 1 failed: ValueError"], 30),
         ("two ranks in different collectives (all_reduce / all_gather)", W.mismatched_worker, 2, ("op",),
          dict(timeout=60, deadline=120), dist.MismatchedCollectivesError,
-         ["rank 0 in all_reduce #2", "rank 1 in all_gather #2"], 30),
+         ["rank 0 in all_reduce #2", "rank 1 in all_gather #2"], 20),
         ("one rank issues a collective the other does not", W.mismatched_worker, 2, ("extra",),
          dict(timeout=60, deadline=120), dist.MismatchedCollectivesError,
-         ["rank 0 in all_gather #2", "rank 1 in all_reduce #2"], 30),
-        ("a rank stuck outside any collective", W.stuck_rank_worker, 2, (),
-         dict(timeout=4, deadline=60), dist.RankFailedError, ["rank 1 not in a collective"], 60),
-        ("the deadline passes", W.stuck_rank_worker, 2, (),
-         dict(timeout=60, deadline=6), dist.LaunchTimeoutError, ["rank 1 not in a collective"], 40),
+         ["rank 0 in all_gather #2", "rank 1 in all_reduce #2"], 20),
+        ("a rank stuck outside any collective (4 s collective timeout)", W.stuck_rank_worker, 2, (),
+         dict(timeout=4, deadline=60), dist.RankFailedError, ["rank 1 not in a collective"], 25),
+        ("the deadline passes (6 s)", W.stuck_rank_worker, 2, (),
+         dict(timeout=60, deadline=6), dist.LaunchTimeoutError, ["rank 1 not in a collective"], 25),
     ]
     for name, worker, world, args, kw, expect, words, bound in cases:
         ok, msg = _launch_case(worker, world, *args, expect=expect, words=words, bound_s=bound, **kw)
-        out.append((name, ok, msg))
+        out.append(_with_leaks((name, ok, msg)))
+    out.append(_with_leaks(_leftover_torchrun_env()))
+    out.append(_with_leaks(_drifting_replicas()))
     for how in ("kill", "interrupt"):
         with tempfile.TemporaryDirectory() as d:
             ok, msg = _subprocess_case(Path(d), how, bound_s=30)
-            out.append(("the launcher is " + ("SIGKILLed" if how == "kill" else "sent Ctrl-C"), ok, msg))
+            out.append(_with_leaks(("the launcher is " + ("SIGKILLed" if how == "kill" else "sent Ctrl-C"), ok, msg)))
     return out
+
+
+def _leftover_torchrun_env():
+    """RANK, WORLD_SIZE and MASTER_* left from another job, for another world size: refused at once."""
+    from tests import _dist_workers as W
+
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        ok, msg = _launch_case(W.pid_worker, 2, expect=ValueError, words=["unset RANK WORLD_SIZE"], bound_s=2)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return "leftover torchrun variables (another world size)", ok, msg
+
+
+def _drifting_replicas():
+    """One rank's optimizer with another learning rate, and ranks fed different batches, in
+    train_step(audit=True): both named, with the ranks."""
+    from tensorpar import dist
+    from tests import _audit_workers as A
+
+    t0 = time.monotonic()
+    res = dist.launch(A.training_audit_worker, 2, deadline=120)[0]
+    took = time.monotonic() - t0
+    ok = (res["clean"] and "ranks [1]" in (res["lr"] or "") and "input_ids differs" in (res["batch"] or "")
+          and took < 60)
+    return "replicas drift (optimizer), ranks fed different batches", ok, f"after {took:.1f}s: {str(res['lr'])[:120]}"
+
+
+_SEEN: dict = {}
+
+
+def _with_leaks(row):
+    """The case's row, failed if it left a rendezvous folder or a /dev/shm entry behind (waiting up
+    to 10 s: a killed launcher's reaper removes its folder a moment after)."""
+    name, ok, msg = row
+    t0 = time.monotonic()
+    while True:
+        now = _leftovers()
+        new = {k: now[k] - _SEEN[k] for k in ("shm", "rendezvous")}
+        if not any(new.values()) or time.monotonic() - t0 > 10:
+            break
+        time.sleep(0.2)
+    if any(new.values()):
+        return name, False, f"{msg}; LEFT: {sorted(new['shm'] | new['rendezvous'])[:4]}"
+    return name, ok, msg
 
 
 def _alive(pid: int) -> bool:
@@ -218,6 +269,7 @@ def main() -> int:
     global _BASE_PIDS
     _BASE_PIDS = set(os.listdir("/proc"))
     before = _leftovers()
+    _SEEN.update(before)
     rows, leaks = [], []
     for cls, run in (("bad input", bad_inputs), ("fault", faults)):
         for name, ok, msg in run():

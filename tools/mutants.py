@@ -66,8 +66,11 @@ MUTANTS = [
       'if tags and not hasattr(p, "tp_spec"):', "if False:",
       ("tests/test_sharding_audit.py", "-k", "deep_copy")),
     M("the reaper kills nothing when the launcher dies", "dist/reaper.py",
-      "kill(pid, signal.SIGKILL)", "pass",
+      "os.killpg(pid, signal.SIGKILL)  # the rank's group: the rank and what it started", "pass",
       ("tests/test_dist.py", "-k", "killed_launcher")),
+    M("wire bytes never recorded", "dist/collectives.py",
+      "led.set_wire(index, after[0] - before[0], after[1] - before[1])", "pass",
+      ("tests/test_dist.py", "-k", "sockets_carry")),
     M("launcher blames the peer that lost its connection", "dist/launcher.py",
       "own = [f for f in failures if not any(s in f.detail for s in _PEER_LOSS)]",
       "own = [f for f in failures if any(s in f.detail for s in _PEER_LOSS)]",
@@ -142,6 +145,17 @@ MUTANTS = [
     M("planner's Adam state for mixed precision", "planner/memory.py",
       "return 12 if bytes_per_elem < 4 else 2 * bytes_per_elem", "return 8 if bytes_per_elem < 4 else 2 * bytes_per_elem",
       ("tests/test_planner_formulas.py", "tests/test_planner_cases.py")),
+    # jobs/verify: the two questions, the routers' replay, the structure tolerance
+    M("a layer ok when only the rounding check passes", "jobs/verify.py",
+      "return cls(name, act, grad, pgrad, excess <= 1.0 and structure <= 1.0, excess, structure,",
+      "return cls(name, act, grad, pgrad, excess <= 1.0, excess, structure,",
+      ("tests/test_jobs_verify_compare.py", "-k", "both_questions")),
+    M("routers' choices recorded but not replayed", "jobs/routing.py",
+      "return torch.return_types.topk((x.gather(dim, idx), idx))", "return out",
+      ("tests/test_cli_jobs.py", "-k", "replays")),
+    M("structure judged at float64 where the model computes in float32", "jobs/verify.py",
+      "return TOLERANCE[routing.lowest]", "return TOLERANCE[torch.float64]",
+      ("tests/test_cli_jobs.py", "-k", "replays")),
 ]
 
 

@@ -23,7 +23,8 @@ def console(**kw):
 
 class Phases:
     """``with Phases(quiet) as phases: with phases("loading"): ...``: each phase a line on stderr
-    with a spinner and its elapsed time while it runs, then a check mark and the time it took.
+    with a spinner and its elapsed time while it runs, then a check mark and the time it took (a
+    cross if it raised).
     Quiet (no output at all) when asked, when stderr is not a terminal (a pipe, a log file, CI) or
     on a torchrun process other than rank 0."""
 
@@ -54,6 +55,10 @@ class Phases:
         task = self._progress.add_task(text, total=1)
         try:
             yield
-        finally:
-            self._progress.update(task, completed=1)
-            self._progress.stop_task(task)
+        except BaseException:  # a phase that failed is not shown done: a cross, and how long it ran
+            elapsed = self._progress.tasks[task].elapsed or 0.0
+            self._progress.remove_task(task)
+            self._progress.console.print(f"[red]✗[/] {text} (failed after {elapsed:.1f} s)")
+            raise
+        self._progress.update(task, completed=1)
+        self._progress.stop_task(task)

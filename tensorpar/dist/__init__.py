@@ -7,8 +7,8 @@ from tensorpar.dist.collectives import all_gather, all_reduce, broadcast, reduce
 from tensorpar.dist.flight import CollectiveMismatchError, check_collectives
 from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
                                    get_backend, get_rank, get_world_size, is_initialized, new_group)
-from tensorpar.dist.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, init_from_env,
-                                    launch, resolve_backend)
+from tensorpar.dist.launcher import LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, launch
+from tensorpar.dist.rendezvous import init_from_env, resolve_backend
 from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
 from tensorpar.dist.mappings import (
     copy_to_tp_region,

@@ -21,7 +21,6 @@ timeout says where each rank was (a rank in no collective while its peers wait i
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
 import io
@@ -33,13 +32,14 @@ import signal
 import tempfile
 import time
 import traceback
-import warnings
 
 import torch
 import torch.distributed as tdist
 
 from tensorpar.dist import flight
 from tensorpar.dist.reaper import Reaper
+from tensorpar.dist.rendezvous import (_LEFTOVER, _RDZV_PREFIX, _env_int, _init_group, _sweep_stale_rendezvous,
+                                       init_from_env, resolve_backend, under_torchrun)
 
 _POLL_S = 0.05
 _FLIGHT_POLL_S = 0.5
@@ -70,79 +70,6 @@ class MismatchedCollectivesError(RankFailedError):
         self.rank, self.exc_type, self.detail, self.remote_traceback = -1, "CollectiveMismatchError", message, ""
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    valid = ("auto", "gloo", "nccl")
-    if backend not in valid:
-        raise ValueError(f"backend {backend!r} is not supported; valid: {', '.join(valid)}")
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"backend 'nccl' needs {world_size} GPUs, this machine has "
-                         f"{torch.cuda.device_count()}; use backend='gloo'")
-    return backend
-
-
-def under_torchrun() -> bool:
-    return all(k in os.environ for k in _TORCHRUN_VARS)
-
-
-# Seconds the ranks of an environment torchrun's agent did not set up (no TORCHELASTIC_RUN_ID)
-# wait for each other: long enough for a launcher starting processes by hand, short enough that
-# variables left over from an earlier torchrun are reported instead of blocking for `timeout`.
-RENDEZVOUS_S = float(os.environ.get("TENSORPAR_RENDEZVOUS_TIMEOUT", "30"))
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, int]:
-    """Join the process group torchrun describes (env://); returns ``(rank, world_size)``."""
-    world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world_size}{_LEFTOVER}")
-    if not tdist.is_initialized():
-        backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        store = None
-        if "TORCHELASTIC_RUN_ID" not in os.environ:  # not torchrun's agent: no store is waiting for us
-            store = _rendezvous(rank, world_size)
-        tdist.init_process_group(backend, init_method=None if store else "env://", store=store,
-                                 rank=rank if store else -1, world_size=world_size if store else -1,
-                                 timeout=datetime.timedelta(seconds=timeout))
-        # A process that exits with its group alive can abort in the backend's teardown
-        # ("terminate called without an active exception"): leave the group on the way out.
-        atexit.register(_destroy_if_initialized)
-    return tdist.get_rank(), tdist.get_world_size()
-
-
-_LEFTOVER = ("; RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT make tensorpar join a torchrun job. If they "
-             "are left over from an earlier one, unset them (`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`) "
-             "to launch local ranks")
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ[name])
-    except ValueError:
-        raise ValueError(f"{name}={os.environ[name]!r} is not an integer{_LEFTOVER}") from None
-
-
-def _rendezvous(rank: int, world_size: int):
-    """The TCP store at MASTER_ADDR:MASTER_PORT, every rank joined within ``RENDEZVOUS_S``."""
-    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
-    try:
-        return tdist.TCPStore(addr, port, world_size, is_master=rank == 0, wait_for_workers=True,
-                              timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
-    except (RuntimeError, TimeoutError, OSError) as exc:
-        raise ValueError(f"rank {rank} of {world_size}: no rendezvous at {addr}:{port} within {RENDEZVOUS_S:g}s "
-                         f"({str(exc).splitlines()[0][:120]}){_LEFTOVER}; or set "
-                         f"TENSORPAR_RENDEZVOUS_TIMEOUT to wait longer") from None
-
-
-def _destroy_if_initialized() -> None:
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
-
-
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
            deadline: float | None = _DEFAULT) -> list:
     """Run ``fn(*args)`` on ``world_size`` ranks and return their results in rank order.
@@ -167,7 +94,8 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
                              args=(rank, world_size, store, backend, timeout, fn, args, results.sender(rank),
                                    slots[rank]))
                  for rank in range(world_size)]
-        reaper = Reaper()  # stops the ranks' groups if this process dies without doing it
+        reaper = Reaper()  # stops the ranks' groups and removes tmp if this process dies without doing it
+        reaper.folder(tmp)
         try:
             for rank, p in enumerate(procs):
                 p.start()
@@ -322,31 +250,6 @@ def _died(rank: int, proc) -> RankFailedError:
     return RankFailedError(rank, "RankDied", f"process {proc.pid} {how} before returning a result{hint}")
 
 
-_RDZV_PREFIX = "tensorpar-rdzv-"
-
-
-def _sweep_stale_rendezvous() -> None:
-    """Remove the rendezvous folders of launchers that died without cleaning up (SIGKILL): each
-    folder's name carries its launcher's pid; a folder whose pid is gone is stale."""
-    import re
-    import shutil
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        m = re.match(rf"{_RDZV_PREFIX}(\d+)-", name)
-        if m and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _stop_all(procs) -> None:
     """Stop every rank and whatever it started: each rank leads its own process group."""
     procs = [p for p in procs if p.pid is not None]  # a start that failed left later ranks unstarted
@@ -395,41 +298,6 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
-
-
-_INIT_ATTEMPTS = 3
-
-
-def _init_group(backend, store_path, rank, world_size, timeout) -> None:
-    """Join the process group over the file store; retry gloo's connection mesh if it flakes.
-
-    Under load, gloo's TCP mesh setup on loopback sometimes fails with "Connection closed by
-    peer" in ``connectFullMesh`` (about 1 launch in 20 on this 2-core machine, measured; also a
-    known flake in PyTorch's own gloo tests). The ranks then agree through the store, which does
-    not depend on that mesh: each posts whether its attempt succeeded, and unless all did,
-    every rank leaves the group and all try again under a fresh key prefix. A last barrier
-    keeps any rank from returning while a peer is still connecting.
-    """
-    base = tdist.FileStore(store_path, world_size)
-    base.set_timeout(timeout)
-    for attempt in range(_INIT_ATTEMPTS):
-        error = None
-        try:
-            tdist.init_process_group(backend, store=tdist.PrefixStore(f"attempt{attempt}/", base),
-                                     rank=rank, world_size=world_size, timeout=timeout)
-        except RuntimeError as exc:
-            if "connectFullMesh" not in str(exc) or attempt == _INIT_ATTEMPTS - 1:
-                raise
-            error = exc
-            warnings.warn(f"rank {rank}: gloo's connection setup failed ({str(exc).splitlines()[0][:200]}); "
-                          f"every rank retries (attempt {attempt + 2} of {_INIT_ATTEMPTS})", RuntimeWarning)
-        base.set(f"status{attempt}/{rank}", "ok" if error is None else "retry")
-        if all(base.get(f"status{attempt}/{r}") == b"ok" for r in range(world_size)):
-            tdist.barrier()
-            return
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
-    raise RuntimeError(f"the process group could not be formed in {_INIT_ATTEMPTS} attempts")
 
 
 def _to_cpu(value):

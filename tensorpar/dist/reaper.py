@@ -1,13 +1,16 @@
-"""A reaper for a launch: stops every rank's process group if the launcher dies without doing it.
+"""A reaper for a launch: stops every rank's process group, and removes the rendezvous folder, if
+the launcher dies without doing it.
 
 Each rank asks the kernel to SIGKILL it when the launcher dies (``PR_SET_PDEATHSIG``), but what a
-rank started (a subprocess, a shell) is not the launcher's child and would live on. So each launch
-also starts a small reaper process that reads, on a pipe from the launcher, the pid of every rank
-(each leads a process group of its own). The launcher writes ``done`` once it has stopped the
-ranks itself; if the pipe closes without it (the launcher was SIGKILLed or crashed), the reaper
-SIGKILLs every group it was told about, and exits. It ignores SIGINT and SIGTERM, which a
-terminal or a ``kill`` of the whole group would send it too early: it always ends when the pipe
-closes. Cost: one small Python process per launch (tens of milliseconds to start).
+rank started (a subprocess, a shell) is not the launcher's child and would live on, and the
+launcher's rendezvous folder would stay in the temporary directory. So each launch also starts a
+small reaper process that reads, on a pipe from the launcher, the pid of every rank (each leads a
+process group of its own) and the rendezvous folder. The launcher writes ``done`` once it has
+stopped the ranks itself; if the pipe closes without it (the launcher was SIGKILLed or crashed),
+the reaper SIGKILLs every group it was told about, removes the folder, and exits. It runs in a
+session of its own and ignores SIGINT, SIGTERM and SIGHUP, so that a Ctrl-C, a ``kill`` of the
+launcher's process group or a closed terminal does not take it down with the launcher: it always
+ends when the pipe closes. Cost: one small Python process per launch (tens of milliseconds).
 """
 from __future__ import annotations
 
@@ -15,35 +18,42 @@ import subprocess
 import sys
 
 _CODE = """
-import os, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-pids = []
+import os, shutil, signal, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+pids, folders = [], []
 for line in sys.stdin:
-    line = line.strip()
-    if line == "done":
+    kind, _, value = line.strip().partition(" ")
+    if kind == "done":
         sys.exit(0)
-    if line.isdigit():
-        pids.append(int(line))
+    if kind == "pid" and value.isdigit():
+        pids.append(int(value))
+    if kind == "folder" and value:
+        folders.append(value)
 for pid in pids:
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the rank's group: the rank and what it started
+    except OSError:
+        pass
+for folder in folders:
+    shutil.rmtree(folder, ignore_errors=True)
 """
 
 
 class Reaper:
-    """``add(pid)`` for each rank started; ``done()`` once the launcher has stopped them itself."""
+    """``folder(path)`` for the rendezvous folder, ``add(pid)`` for each rank started; ``done()``
+    once the launcher has stopped them itself."""
 
     def __init__(self):
         self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _CODE], stdin=subprocess.PIPE,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-                                      close_fds=True)
+                                      close_fds=True, start_new_session=True)
+
+    def folder(self, path: str) -> None:
+        self._write(f"folder {path}\n")
 
     def add(self, pid: int) -> None:
-        self._write(f"{pid}\n")
+        self._write(f"pid {pid}\n")
 
     def done(self) -> None:
         self._write("done\n")

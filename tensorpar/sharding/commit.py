@@ -254,8 +254,8 @@ _TAGS = ("tp_spec", "tp_replicas", "tp_row_replicas")
 
 def restore_tags(model) -> None:
     """Give back the tags of :func:`tag_params` to parameters that lost them: those of a
-    ``copy.deepcopy`` of a parallelized model. Everything that reads the tags (clipping, the
-    audit, verify, the inventory) calls this first; a model never parallelized is left alone."""
+    ``copy.deepcopy`` of a parallelized model. Clipping and the audit, which take any model a
+    user hands them, call this first; a model never parallelized is left alone."""
     table = getattr(model, "_tp_param_tags", None)
     if not table:
         return
