@@ -103,7 +103,7 @@ def test_verify_replays_a_routers_choices_in_bfloat16(tmp_path):
     divergence); with the float64 model's choices replayed in both, every call of them, 0.1."""
     from tensorpar.models.testing import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "mixtral", "mixtral")
-    r = tensorpar("verify", "--model", str(path), "--tp", "2,4", "--dtype", "bfloat16", "--json")
+    r = tensorpar("verify", "--model", str(path), "--tp", "2", "--dtype", "bfloat16", "--json")
     assert r.returncode == 0, r.stderr
     for check in json.loads(r.stdout)["checks"]:
         assert "top-k choices (routers) replayed" in check["routing"] and "stopped" not in check["routing"]
