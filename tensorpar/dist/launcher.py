@@ -32,6 +32,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as tdist
@@ -259,6 +260,12 @@ def _stop_all(procs) -> None:
         p.join(timeout=5)
         _signal_group(p, signal.SIGKILL)  # the rank if it ignored SIGTERM, and any child left behind
         p.join(timeout=5)
+        if p.is_alive():  # not dead 5 s after SIGKILL: in uninterruptible sleep (I/O on a loaded machine)
+            warnings.warn(f"rank process {p.pid} is still alive 5 s after SIGKILL; not waiting for it "
+                          f"(the kernel ends it when its I/O completes)", RuntimeWarning)
+            # multiprocessing's exit handler joins every child it knows without a timeout: a rank
+            # the kernel has not let die yet must not hold this process's exit forever
+            mp.process._children.discard(p)
 
 
 def _signal_group(p, sig) -> None:
