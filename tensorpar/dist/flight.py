@@ -4,7 +4,8 @@ Every collective tensorpar issues (:mod:`tensorpar.dist.collectives`, ``barrier`
 ``broadcast_object``) passes through :func:`issuing`: it counts the collectives of each group
 (``seq``) and, on a rank started by :func:`~tensorpar.dist.launcher.launch`, writes what it is
 entering into a small shared-memory slot the launching process reads: ``{"state": "in" | "out",
-"seq", "op", "shape", "dtype", "group", "module", "t"}``. Cost: one JSON write of ~200 bytes under
+"seq", "op", "shape", "dtype", "group", "module", "t"}`` (``"checking"`` while the rank-side check
+below exchanges signatures: the launcher leaves a mismatch there to the ranks, which name it). Cost: one JSON write of ~200 bytes under
 a lock per collective (microseconds, against ~1 ms for a gloo collective on loopback).
 
 The launcher reads the slots every half second and stops the launch with
@@ -102,10 +103,12 @@ def issuing(op: str, tensor: torch.Tensor | None, group, module: str | None = No
     dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else ""
     state = {"state": "in", "seq": seq, "op": op, "shape": shape, "dtype": dtype, "group": list(ranks),
              "module": module, "t": time.time()}
+    if _CHECK[0]:  # reported as "checking" first: a mismatch is the ranks' to name, with both calls
+        if _SLOT is not None:
+            _write({**state, "state": "checking"})
+        _check_signature(state, group)
     if _SLOT is not None:
         _write(state)
-    if _CHECK[0]:
-        _check_signature(state, group)
     yield
     if _SLOT is not None:
         _write({**state, "state": "out", "t": time.time()})
@@ -121,6 +124,8 @@ def describe(state: dict | None) -> str:
     ago = time.time() - state["t"]
     if state["state"] == "in":
         return f"in {call} for {ago:.1f}s"
+    if state["state"] == "checking":
+        return f"in {call}, exchanging its signature, for {ago:.1f}s"
     return f"not in a collective for {ago:.1f}s (last: {call})"
 
 
