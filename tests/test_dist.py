@@ -24,11 +24,11 @@ def test_mappings_forward_and_backward_equal_dense(world):
         assert len(checks) == (14 + 6 + 4 + 5) * len(SHAPES)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ledger_records_every_collective_with_ring_bytes(world):
+@pytest.mark.parametrize("world, backend", [(2, "gloo"), (4, "gloo"), (2, "shm"), (4, "shm")])
+def test_ledger_records_every_collective_with_ring_bytes(world, backend):
     shape = (2, 3, 8)
     n = 2 * 3 * 8 * 8  # float64 bytes of x
-    out = dist.launch(W.ledger_worker, world, shape, deadline=120)
+    out = dist.launch(W.ledger_worker, world, shape, backend=backend, deadline=120)
     for rank, res in enumerate(out):
         ops = [(r["op"], r["phase"], r["module"]) for r in res["records"]]
         assert ops == [("all_reduce", "forward", "Block"), ("all_reduce", "backward", "Block"),
@@ -38,6 +38,8 @@ def test_ledger_records_every_collective_with_ring_bytes(world):
         assert payloads == [n, n, world * n, world * n, n, n]
         sent = [r["bytes_sent"] for r in res["records"]]
         tree = {2: [n, 0], 4: [2 * n, n, 0, 0]}[world][rank]  # gloo's binomial-tree broadcast from 0
+        if backend == "shm":  # rank 0 writes the tensor once; the others read it
+            tree = n if rank == 0 else 0
         assert sent == [2 * (world - 1) * n / world] * 2 + [(world - 1) * n] * 2 + [2 * (world - 1) * n / world, tree]
         shapes = [tuple(r["shape"]) for r in res["records"]]
         assert shapes == [(2, 3, 8), (2, 3, 8), (2, 3, 8 * world), (2, 3 * world, 8), (2, 3, 8), (2, 3, 8)]
@@ -267,7 +269,8 @@ def test_backward_on_another_thread_is_recorded():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_reduce_scatter_sends_the_bytes_it_records(world):
-    for really_sent, recorded in dist.launch(W.ring_bytes_worker, world, (2, 4 * world, 8), deadline=60):
+    for really_sent, recorded in dist.launch(W.ring_bytes_worker, world, (2, 4 * world, 8), backend="gloo",
+                                             deadline=60):
         assert really_sent == recorded == (world - 1) * 2 * 4 * world * 8 * 8 // world
 
 
@@ -279,7 +282,7 @@ def test_the_ring_formula_is_what_the_sockets_carry(world, dtype):
     that is wrong by a factor (all-reduce counted as (p-1)/p N; a chain broadcast where gloo uses a
     tree) and a reduce-scatter that all-reduces (twice the bytes)."""
     numels = [1, 64, 1 << 18]  # per rank: the tensors hold numel * group size elements
-    out = dist.launch(W.wire_worker, world, numels, dtype, deadline=120)
+    out = dist.launch(W.wire_worker, world, numels, dtype, backend="gloo", deadline=120)
     for rank, (rows, async_wire, plain_wire, plain_total) in enumerate(out):
         groups = {q for q, *_ in rows}
         assert groups == ({world, 2} if world == 4 and rank % 2 == 0 else {world})  # the even ranks' sub-group
@@ -309,8 +312,9 @@ def test_auto_backend_picks_nccl_only_with_a_gpu_per_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert dist.resolve_backend("auto", 4) == "nccl"
-    assert dist.resolve_backend("auto", 8) == "gloo"
+    assert dist.resolve_backend("auto", 8) == "tpshm"  # not a GPU per rank: shared memory on CPU
     assert dist.resolve_backend("gloo", 2) == "gloo"
+    assert dist.resolve_backend("shm", 2) == dist.resolve_backend("tpshm", 2) == "tpshm"
 
 
 def test_deadline_stops_every_rank(tmp_path):
@@ -335,7 +339,7 @@ def test_bad_world_size(bad, match):
 
 
 def test_bad_backend_and_timeout():
-    with pytest.raises(ValueError, match="backend 'mpi' is not supported; valid: auto, gloo, nccl"):
+    with pytest.raises(ValueError, match="backend 'mpi' is not supported; valid: auto, shm, gloo, nccl"):
         dist.launch(W.pid_worker, 2, backend="mpi")
     with pytest.raises(ValueError, match="timeout must be positive"):
         dist.launch(W.pid_worker, 2, timeout=0)

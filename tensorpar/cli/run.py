@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-ids", metavar="IDS", help="decoders without a tokenizer: comma-separated token ids")
     p.add_argument("--max-new-tokens", type=int, default=16, help="decoders: tokens to generate (default 16)")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16, float16")
-    p.add_argument("--backend", default="auto", help="auto (NCCL with enough GPUs, else gloo), gloo, nccl")
+    p.add_argument("--backend", default="auto", help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 

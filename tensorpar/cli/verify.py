@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16, float16")
     p.add_argument("--batch", type=int, default=2, help="sequences in the random batch (default 2)")
     p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
-    p.add_argument("--backend", default="auto", help="auto, gloo, nccl")
+    p.add_argument("--backend", default="auto", help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
     p.add_argument("--inject-fault", type=int, metavar="BLOCK",
                    help="scale the last weight matrix of BLOCK on the last rank, to see a divergence being caught")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

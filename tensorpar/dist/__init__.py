@@ -9,6 +9,8 @@ from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, all_gather
                                    get_backend, get_rank, get_world_size, is_initialized, new_group)
 from tensorpar.dist.launcher import LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, launch
 from tensorpar.dist.rendezvous import init_from_env, resolve_backend
+from tensorpar.dist.shm import transport
+from tensorpar.dist.shm_segment import ShmPeerError
 from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
 from tensorpar.dist.mappings import (
     copy_to_tp_region,
@@ -25,7 +27,7 @@ __all__ = [
     "launch", "init_from_env", "resolve_backend", "RankFailedError", "LaunchTimeoutError",
     "CollectiveMismatchError", "MismatchedCollectivesError", "check_collectives",
     "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "all_gather_object",
-    "is_initialized",
+    "is_initialized", "transport", "ShmPeerError",
     "PlanningGroup", "PlanningGroupError",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",

@@ -3,7 +3,8 @@
 These are the only calls into torch.distributed's collectives; the autograd-aware operators in
 :mod:`tensorpar.dist.mappings` are built on them. All take the group explicitly (``None``: world).
 
-On gloo, reduce-scatter is tensorpar's own ring over point-to-point sends (p - 1 steps, each
+Each group's collectives travel over shared memory between the ranks of one host, gloo or NCCL
+(:func:`tensorpar.dist.shm.transport`). Over gloo, reduce-scatter is tensorpar's own ring over point-to-point sends (p - 1 steps, each
 sending one chunk of N/p): gloo's native reduce-scatter does not document its algorithm, and the
 ledger must record the bytes really sent, ``(p - 1)/p * N``. ``record_to`` names the ledger a
 collective records into (the backward of an autograd operator passes the one its forward saw,
@@ -26,6 +27,7 @@ from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
 from tensorpar.dist.groups import refuse_planning
 from tensorpar.dist.ledger import Ledger, active_ledger
+from tensorpar.dist.shm import transport
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
@@ -38,7 +40,7 @@ def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None
     refuse_planning(group, op)
     led = record_to if record_to is not None else active_ledger()
     if led is not None:
-        algorithm = "tree" if tdist.get_backend(group) == "gloo" else "chain"
+        algorithm = {"gloo": "tree", "shm": "shared"}.get(transport(group), "chain")
         led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape,
                    rank=group_rank(group), src=src, broadcast_algorithm=algorithm)
     return led
@@ -48,7 +50,7 @@ def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None
 def _on_wire(led: "Ledger | None", group):
     """Around the backend call alone (inside the flight recorder's signature check): the bytes the
     sockets carried, into the record just made, when the ledger asks and the backend is TCP."""
-    if led is None or not led.wire or tdist.get_backend(group) != "gloo":
+    if led is None or not led.wire or transport(group) != "gloo":
         yield
         return
     index = len(led.records) - 1
@@ -103,7 +105,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
     moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
     led = _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
     with flight.issuing("reduce_scatter", moved, group, module), _on_wire(led, group):
-        if tdist.get_backend(group) == "gloo":
+        if transport(group) == "gloo":
             out = _ring_reduce_scatter(moved, group)
         else:
             out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))

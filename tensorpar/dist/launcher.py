@@ -190,7 +190,9 @@ def _where(slots, out) -> str:
 
 
 def _with_flight(failure: RankFailedError, slots, out) -> RankFailedError:
-    """The failure, with a mismatch the recorder saw as its cause, else where every rank was."""
+    """The failure, with a mismatch the recorder saw as its cause, else where every rank was; a
+    rank that found a mismatch itself (the rank-side check, the shared-memory transport) makes it a
+    :class:`MismatchedCollectivesError` too."""
     if slots is None:
         return failure
     states = _states(slots, out)
@@ -203,6 +205,8 @@ def _with_flight(failure: RankFailedError, slots, out) -> RankFailedError:
         failure.args = (f"rank {failure.rank} failed: {failure.exc_type}: {failure.detail}"
                         + (f"\n--- traceback on rank {failure.rank} ---\n{failure.remote_traceback}"
                            if failure.remote_traceback else ""),)
+    if failure.exc_type == "CollectiveMismatchError":
+        return MismatchedCollectivesError(f"rank {failure.rank}: {failure.detail}")
     return failure
 
 

@@ -43,8 +43,9 @@ def ring_bytes_sent(op: str, payload_bytes: int, group_size: int, *, rank: int =
                     broadcast_algorithm: str = "chain") -> int:
     """Bytes group rank ``rank`` sends for ``op`` on ``payload_bytes`` over ``group_size`` ranks.
 
-    ``src`` and ``broadcast_algorithm`` (``"chain"``: NCCL; ``"tree"``: gloo's binomial tree)
-    matter for broadcast only.
+    ``src`` and ``broadcast_algorithm`` (``"chain"``: NCCL; ``"tree"``: gloo's binomial tree;
+    ``"shared"``: shared memory, the source writes the tensor once and every peer reads it) matter
+    for broadcast only.
     """
     p = group_size
     factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
@@ -59,10 +60,12 @@ def _broadcast_sends(p: int, v: int, algorithm: str) -> int:
     """How many times the rank at distance ``v`` from the source sends the whole tensor."""
     if algorithm == "chain":
         return 0 if p == 1 or v == p - 1 else 1
+    if algorithm == "shared":
+        return 1 if v == 0 and p > 1 else 0
     if algorithm == "tree":
         # binomial tree: the rank at v sends to v + 2^k for every k >= bit_length(v) within the group
         return sum(1 for k in range(v.bit_length(), max(p - 1, 1).bit_length()) if v + (1 << k) < p)
-    raise ValueError(f"broadcast_algorithm {algorithm!r}; valid: chain, tree")
+    raise ValueError(f"broadcast_algorithm {algorithm!r}; valid: chain, tree, shared")
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,23 @@ import warnings
 import torch
 import torch.distributed as tdist
 
+from tensorpar.dist import shm
+
+BACKENDS = ("auto", "shm", "gloo", "nccl")
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
-    valid = ("auto", "gloo", "nccl")
-    if backend not in valid:
-        raise ValueError(f"backend {backend!r} is not supported; valid: {', '.join(valid)}")
+    """The torch.distributed backend for ``backend``: ``"auto"`` is NCCL with a GPU per rank, else
+    :mod:`tensorpar.dist.shm` (shared memory between the ranks of one host, gloo between hosts,
+    chosen per group); ``"shm"`` that backend; ``"gloo"`` gloo only."""
+    if backend == shm.BACKEND:  # already resolved
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not supported; valid: {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else shm.BACKEND
+    if backend == "shm":
+        return shm.BACKEND
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"backend 'nccl' needs {world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use backend='gloo'")

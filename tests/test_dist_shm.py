@@ -1,0 +1,102 @@
+"""The shared-memory transport (tensorpar.dist.shm): exact against gloo, safe, and quiet while waiting."""
+import os
+import stat
+
+import pytest
+
+from tensorpar import dist
+from tensorpar.dist import shm_segment as seg
+from tests import _shm_workers as W
+
+
+def _our_segments() -> list:
+    return [n for n in os.listdir(seg.SHM_DIR) if n.startswith(seg.PREFIX)]
+
+
+@pytest.mark.parametrize("world, groups", [
+    (2, [[0, 1]]),
+    (3, [[0, 1, 2]]),
+    (4, [[0, 1, 2, 3], [0, 1], [2, 3], [1, 3]]),  # the world and sub-groups, disjoint and interleaved
+])
+def test_every_collective_is_exact_over_shared_memory(world, groups):
+    for failures, checked in dist.launch(W.exactness_worker, world, groups, backend="shm", deadline=600):
+        assert not failures, failures[:10]
+        assert checked > 0
+
+
+def test_auto_picks_shared_memory_for_local_cpu_ranks():
+    assert dist.launch(W.transport_worker, 2, deadline=60) == [("shm", "tpshm")] * 2
+
+
+def test_gloo_is_kept_when_asked():
+    assert dist.launch(W.transport_worker, 2, backend="gloo", deadline=60) == [("gloo", "gloo")] * 2
+
+
+def test_transport_env_turns_shared_memory_off(monkeypatch):
+    monkeypatch.setenv("TENSORPAR_TRANSPORT", "gloo")
+    assert dist.launch(W.transport_worker, 2, deadline=60) == [("gloo", "tpshm")] * 2
+
+
+def test_a_group_across_hosts_runs_over_gloo_on_every_rank():
+    for transport, value, why in dist.launch(W.fallback_worker, 2, deadline=60):
+        assert transport == "gloo" and value == [3.0, 3.0, 3.0]
+        assert "more than one host" in why
+
+
+def test_a_rank_killed_in_a_collective_is_named_and_nothing_stays_in_dev_shm(tmp_path):
+    before = set(_our_segments())
+    with pytest.raises(dist.RankFailedError) as info:
+        dist.launch(W.killed_in_collective_worker, 2, str(tmp_path), deadline=60)
+    assert info.value.rank == 1 and "SIGKILL" in str(info.value), str(info.value)
+    assert set(_our_segments()) <= before
+
+
+def test_a_waiting_rank_sleeps_instead_of_spinning():
+    for rank, (cpu, wall, value) in enumerate(dist.launch(W.idle_wait_worker, 2, 2.0, deadline=60)):
+        assert value == [2.0] * 4
+        if rank == 0:
+            assert wall > 1.5, wall
+            # a rank spinning for 2 s would use ~2 s of CPU; futex sleeps use a few ms
+            assert cpu < 0.2 * wall, (cpu, wall)
+
+
+def test_a_peer_that_never_arrives_ends_at_the_timeout_naming_it():
+    with pytest.raises(dist.RankFailedError) as info:
+        dist.launch(W.peer_timeout_worker, 2, timeout=3, deadline=60)
+    message = str(info.value)
+    assert "timed out after 3s waiting for rank 1 of the group to arrive" in message, message
+    assert "rank 1 no collective yet" in message and "rank 0 in all_reduce #" in message, message
+
+
+def test_segments_are_private_and_checked_on_open(tmp_path, monkeypatch):
+    path = os.path.join(seg.SHM_DIR, f"{seg.PREFIX}{os.getpid()}-test")
+    segment = seg.Segment(path, 0, 2, 4096, create=True)
+    try:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        os.chmod(path, 0o644)
+        with pytest.raises(OSError, match="not a segment this user made"):
+            seg.Segment(path, 1, 2, 4096, create=False)
+    finally:
+        os.unlink(path)
+    del segment
+
+
+def test_a_dead_creators_segment_is_swept():
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = os.path.join(seg.SHM_DIR, f"{seg.PREFIX}{gone.pid}-abc")
+    open(stale, "w").close()
+    seg.sweep_stale()
+    assert not os.path.exists(stale)
+
+
+def test_collectives_of_other_sizes_are_named_not_read():
+    for rank, (sizes, after, kinds) in enumerate(dist.launch(W.mismatch_worker, 2, deadline=60)):
+        other = 1 - rank
+        assert f"ranks {rank} and {other} of a shared-memory group issued different collectives" in sizes, sizes
+        mine, theirs = (16, 24) if rank == 0 else (24, 16)
+        assert f"rank {rank} all_reduce of {mine} B" in sizes and f"rank {other} all_reduce of {theirs} B" in sizes
+        assert "this shared-memory group failed earlier" in after and "cannot be used again" in after, after
+        assert "all_reduce of 16 B" in kinds and "broadcast of 16 B" in kinds, kinds
