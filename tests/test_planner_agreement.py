@@ -96,8 +96,8 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h|layer)\.(\d+)\.")
 
 
 def _where(op: str, module: str) -> str:
-    if module == "":  # issued outside the model: the loss's reductions, generate's token broadcast
-        return {"all_reduce": "cross_entropy", "broadcast": "next_token"}[op]
+    if module in ("", "next_token"):  # issued outside the model: the loss's reductions, generate's exchange
+        return {"all_reduce": "cross_entropy", "all_gather": "next_token"}[op]
     for pattern, where in _WHERE:
         if re.search(pattern, module):
             return where
@@ -189,7 +189,7 @@ def test_a_decode_step_as_predicted(measured, tp, family):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("tp, family", [(tp, f) for tp in (2, 4) for f in CAUSAL])
-def test_generate_on_the_world_group_broadcasts_tokens(measured, tp, family):
+def test_generate_on_the_world_group_as_predicted(measured, tp, family):
     pred = predict_collectives(_config(family), tp, BATCH, SEQ, E, "generate", new_tokens=1)
     for rank, res in enumerate(measured[tp]):
         assert _measured(res[(family, "generate1_world")]["records"]) == _predicted(pred.items, rank)

@@ -257,10 +257,27 @@ def test_find_pairs_recovers_the_llama_plan():
 
 def test_generate_and_clip_bad_input():
     model = make_tiny_model("llama")
-    with pytest.raises(ValueError, match="input_ids must be a \\(batch, seq\\) torch.long tensor"):
-        generate(model, torch.ones(1, 3), 2)
-    with pytest.raises(ValueError, match="max_new_tokens must be a non-negative integer, got -1"):
-        generate(model, torch.ones(1, 3, dtype=torch.long), -1)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    bad = [
+        ((torch.ones(1, 3), 2), {}, r"input_ids must be a non-empty \(batch, seq\) torch.long tensor"),
+        (([[1, 2], []], 2), {}, "non-empty list of non-empty lists"),
+        (([[1, 2.5]], 2), {}, "non-empty list of non-empty lists"),
+        (([[1, 999]], 2), {}, r"token ids must be in \[0, "),
+        ((ids, -1), {}, "max_new_tokens must be a non-negative integer, got -1"),
+        ((ids, 2), {"attention_mask": torch.ones(1, 4)}, "attention_mask must be a tensor of input_ids' shape"),
+        ((ids, 2), {"attention_mask": torch.tensor([[1, 0, 1]])}, "attention_mask must be left padding"),
+        ((ids, 2), {"attention_mask": torch.tensor([[1, 1, 0]])}, "attention_mask must be left padding"),
+        (([[1, 2]], 2), {"attention_mask": torch.ones(1, 2)}, "attention_mask goes with an input_ids tensor"),
+        ((ids, 2), {"do_sample": True, "temperature": 0}, "temperature must be a positive finite number, got 0"),
+        ((ids, 2), {"do_sample": True, "top_k": 0}, "top_k must be a positive integer or None, got 0"),
+        ((ids, 2), {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ((ids, 2), {"do_sample": True, "seed": -1}, r"seed must be an integer in \[0, 2\*\*63\), got -1"),
+        ((ids, 2), {"do_sample": "yes"}, "do_sample must be True or False"),
+        ((ids, 2), {"eos_token_id": [1, 10_000]}, "eos_token_id must be a token id or a list of them"),
+    ]
+    for args, kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            generate(model, *args, **kwargs)
     with pytest.raises(ValueError, match="max_norm must be positive"):
         clip_grad_norm_(model, 0.0)
     with pytest.raises(ValueError, match="no parameter has a gradient"):

@@ -82,7 +82,7 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}
     with phase(f"{tp} ranks: shards, {task['task']}; rank 0: unsplit model"):
         per_rank = dist.launch(run_worker, tp, spec, backend=backend)
-    return _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task)
+    return _report(name, ckpt, tp, dtype, per_rank[0]["transport"], fixes, per_rank, task)
 
 
 def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
@@ -144,7 +144,8 @@ def run_worker(spec: dict) -> dict:
         split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
            "params": model.tp_report.params_per_rank, "records": [r.to_dict() for r in led.records],
-           "bytes_sent": led.total_bytes_sent(), "wire_bytes_sent": led.wire_bytes_sent(), "split": split}
+           "bytes_sent": led.total_bytes_sent(), "wire_bytes_sent": led.wire_bytes_sent(), "split": split,
+           "transport": dist.transport(None)}
     if dist.get_rank() == 0:
         dense = dense_model(spec["path"], dtype)
         out["dense"], out["nonfinite"] = task(dense, spec), nonfinite(dense)
@@ -170,10 +171,15 @@ def _generate(model, spec) -> dict:
 
     ids = torch.tensor([spec["prompt_ids"]], dtype=torch.long)  # (1, T)
     logits = model(input_ids=ids, use_cache=False).logits  # (1, T, V): the compared forward
-    # Generation's own collectives (one forward per token, a broadcast of each token) go to a
-    # ledger of their own, apart from the forward that is compared with the planner.
+    # Generation's own collectives (one forward per token, each rank's best candidate exchanged)
+    # go to a ledger of their own, apart from the forward that is compared with the planner. The
+    # logits each step chose from are gathered for the comparison in a second run, off the record.
     with dist.ledger(wire=True) as gen:
-        tokens, steps = generate(model, ids, spec["max_new_tokens"], return_logits=True)
+        tokens = generate(model, ids, spec["max_new_tokens"])
+    with dist.ledger():  # a ledger of its own: the gathers made for the comparison are not the run's
+        again, steps = generate(model, ids, spec["max_new_tokens"], return_logits=True)
+    if not torch.equal(again, tokens):
+        raise RuntimeError("generate chose other tokens when asked for its logits: it is not deterministic")
     return {"output": logits, "tokens": tokens[0, ids.shape[1]:].tolist(), "input_shape": list(ids.shape),
             "step_logits": torch.stack(steps),  # (n, 1, V): what each greedy step chose from
             "generation_bytes_sent": gen.total_bytes_sent(), "generation_wire_bytes_sent": gen.wire_bytes_sent(),

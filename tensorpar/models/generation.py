@@ -1,70 +1,207 @@
-"""Greedy generation with a KV cache, sharded or not.
+"""Generation with a KV cache, sharded or not: batches of prompts of different lengths, greedy or
+sampled decoding, stop tokens.
 
 Under tensor parallelism each rank's attention modules hold only their own heads, so the
 Hugging Face cache each rank builds holds only its own KV heads: ``1/tp`` of the dense cache
-(or one replicated KV head per rank when ``n_kv_heads < tp``). Per step, the new token goes
-through the ordinary forward (one all-reduce per attention and MLP block, one all-gather of
-the logits); the argmax is then broadcast from the group's rank 0 so that every rank appends
-exactly the same token even if two ranks' logits differed in the last bit.
+(or one replicated KV head per rank when ``n_kv_heads < tp``). Per step, on each rank:
+
+- one forward of the new tokens (the whole prompts at the first step), with the output head
+  applied to the last position only (``logits_to_keep=1``) and its logits left sharded by
+  vocabulary: one all-reduce per attention and MLP block, no gather of ``B x V`` logits;
+- one all-gather of each rank's candidates, ``B x tp x k`` (value, index) pairs as float64
+  (16 bytes each; ``k = 1`` for greedy, ``top_k`` when sampling with it), from which every rank
+  computes the same next token (:mod:`tensorpar.models.sampling`): no broadcast. Sampling
+  without ``top_k`` gathers the vocabulary shards instead (every logit is a candidate).
+
+Prompts of different lengths are left-padded: ``attention_mask`` marks the real tokens, and
+positions count real tokens only (``cumsum(mask) - 1``, as Hugging Face's ``generate``), so each
+row is continued as if it were alone.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from tensorpar import dist
+from tensorpar.models.sampling import Sampler, choose
+from tensorpar.nn.layers import ColumnParallelLinear
 
 
-def _cache_kwarg(model) -> str:
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+@torch.no_grad()
+def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+             seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
+             return_cache: bool = False, return_logits: bool = False):
+    """``(B, T + n)`` token ids: the (left-padded) prompts followed by up to ``max_new_tokens`` tokens.
+
+    ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
+    ``model.tp_report``). ``input_ids``: a ``(B, T)`` long tensor (with ``attention_mask``, 1 for
+    real tokens, 0 for left padding) or a list of token-id lists of any lengths (padded here).
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``: see
+    :mod:`tensorpar.models.sampling` (greedy by default). ``eos_token_id``: a stop token or a
+    list of them; a row that produced one continues with ``pad_token_id`` (default: the first
+    stop token), and generation ends when every row has stopped. ``return_cache``: also return
+    this rank's KV cache. ``return_logits``: also return the full logits each step chose from,
+    ``[(B, V), ...]`` (gathered for the purpose on a split model: what a comparison of two
+    models must look at, since tiny random models often repeat one token whatever happens).
+    """
+    vocab = _vocab_size(model)
+    stops = _stop_ids(eos_token_id, vocab)
+    pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
+    ids, mask = prompts(input_ids, attention_mask, pad, vocab)
+    _check_count(max_new_tokens)
+    sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
+    report = getattr(model, "tp_report", None)
+    group = report.tp_group if report is not None and report.tp_size > 1 else False
+    if group is not False:  # ranks given different prompts or settings would decode a model no one has
+        from tensorpar.sharding.audit import check_same_inputs
+        check_same_inputs(group, input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                          sampler=repr(sampler), stops=repr((stops, pad)))
+    step = _Stepper(model, group)
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (B, T): real tokens counted
+    new, new_pos, cache = ids, positions, None
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    stop_ids = torch.tensor(stops, dtype=torch.long)
+    logits_seen = []
+    for t in range(max_new_tokens):
+        (values, indices), full, cache = step(new, mask, new_pos, cache, sampler.candidates, vocab, return_logits)
+        if return_logits:
+            logits_seen.append(full)
+        nxt = choose(values, indices, sampler, t, vocab)  # (B,): the same on every rank
+        if stops:
+            nxt = nxt.masked_fill(done, pad)
+            done |= torch.isin(nxt, stop_ids)
+        new, new_pos = nxt[:, None], new_pos[:, -1:] + 1  # (B, 1): the cache holds the rest
+        ids, mask = torch.cat([ids, new], dim=1), torch.cat([mask, torch.ones_like(new)], dim=1)
+        if stops and bool(done.all()):
+            break
+    extra = (cache,) * return_cache + (logits_seen,) * return_logits
+    return (ids, *extra) if extra else ids
 
 
-def _check(input_ids, max_new_tokens):
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        got = (tuple(input_ids.shape), input_ids.dtype) if isinstance(input_ids, torch.Tensor) else type(input_ids)
-        raise ValueError(f"input_ids must be a (batch, seq) torch.long tensor; got {got}")
+def prompts(input_ids, attention_mask, pad: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)``, both ``(B, T)`` long: lists left-padded with ``pad``, tensors checked."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with an input_ids tensor; lists of token ids are padded here")
+        rows = [list(r) for r in input_ids]
+        if not rows or any(not r for r in rows) or any(isinstance(v, bool) or not isinstance(v, int)
+                                                       for r in rows for v in r):
+            raise ValueError("input_ids must be a non-empty list of non-empty lists of token ids (integers)")
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)  # (B, T)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    else:
+        ids, mask = input_ids, attention_mask
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype != torch.long or ids.numel() == 0:
+            got = (tuple(ids.shape), ids.dtype) if isinstance(ids, torch.Tensor) else type(ids)
+            raise ValueError(f"input_ids must be a non-empty (batch, seq) torch.long tensor or a list of "
+                             f"token-id lists; got {got}")
+        mask = torch.ones_like(ids) if mask is None else _checked_mask(mask, ids)
+    bad = ids[(mask == 1) & ((ids < 0) | (ids >= vocab))]
+    if bad.numel():
+        raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5].tolist()}")
+    return ids, mask
+
+
+def _checked_mask(mask, ids) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, got "
+                         f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    mask = mask.long()
+    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()) \
+            or bool((mask[:, -1] == 0).any()):
+        raise ValueError("attention_mask must be left padding: per row zeros then ones, the last position 1")
+    return mask
+
+
+def _check_count(max_new_tokens) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
 
 
-@torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
-             return_cache: bool = False, return_logits: bool = False):
-    """``(B, T + n)`` token ids: ``input_ids`` followed by up to ``max_new_tokens`` greedy tokens.
+def _stop_ids(eos_token_id, vocab: int) -> list[int]:
+    stops = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < vocab for s in stops):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, each in [0, {vocab}); "
+                         f"got {eos_token_id!r}")
+    return stops
 
-    ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
-    ``model.tp_report``). Prompts in a batch have the same length (no padding). A sequence
-    that has produced ``eos_token_id`` continues with it; generation stops when all have.
-    ``return_cache``: also return the KV cache of this rank. ``return_logits``: also return the
-    logits each step chose from, ``[(B, V), ...]``, one per generated token (what a comparison of
-    two models must look at: tiny random models often repeat one token whatever happens).
-    """
-    _check(input_ids, max_new_tokens)
-    report = getattr(model, "tp_report", None)
-    sharded = report is not None and report.tp_size > 1
-    if sharded:  # ranks given different prompts would decode a model no one has: refuse
-        from tensorpar.sharding.audit import check_same_inputs
-        check_same_inputs(report.tp_group, input_ids=input_ids, max_new_tokens=max_new_tokens)
-    kwarg, cache, ids = _cache_kwarg(model), None, input_ids
-    step = input_ids
-    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    steps = []
-    for _ in range(max_new_tokens):
-        out = model(input_ids=step, use_cache=True, **{kwarg: cache})
+
+def _vocab_size(model) -> int:
+    head = model.get_output_embeddings()
+    return head.out_features if head is not None else model.config.vocab_size
+
+
+class _Stepper:
+    """One forward of a generation step: ``(candidates, full logits or None, cache)``."""
+
+    def __init__(self, model, group):
+        self.model, self.group = model, group
+        params = inspect.signature(type(model).forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self.positions = "position_ids" in params
+        head = model.get_output_embeddings()
+        sharded = isinstance(head, ColumnParallelLinear) and head.tp_size > 1 and head.rows is None
+        self.head = head if sharded else None  # as causal_lm_loss and the planner's inventory decide
+
+    def __call__(self, new, mask, positions, cache, k, vocab, want_full):
+        kwargs = {self.cache_kwarg: cache, "attention_mask": mask, "use_cache": True}
+        if self.keep:
+            kwargs[self.keep] = 1
+        if self.positions:
+            kwargs["position_ids"] = positions
+        with _vocab_shards(self.head):
+            out = self.model(input_ids=new, **kwargs)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        if return_logits:
-            steps.append(out.logits[:, -1, :].clone())  # (B, V)
-        nxt = out.logits[:, -1, :].argmax(dim=-1)  # (B,)
-        if sharded:  # tp_group None is the world group: it broadcasts too
-            dist.broadcast(nxt, src=0, group=report.tp_group)
-        if eos_token_id is not None:
-            nxt = nxt.masked_fill(done, eos_token_id)
-            done |= nxt == eos_token_id
-        step = nxt[:, None]  # (B, 1): only the new token goes in; the cache holds the rest
-        ids = torch.cat([ids, step], dim=1)
-        if eos_token_id is not None and bool(done.all()):
-            break
-    extra = (cache,) * return_cache + (steps,) * return_logits
-    return (ids, *extra) if extra else ids
+        logits = out.logits[:, -1, :]  # (B, V) or this rank's (B, V/tp)
+        if self.head is None:  # every rank holds every logit
+            full = logits[:, :vocab].double()
+            return _best_k(full, 0, k), (full if want_full else None), cache
+        candidates, full = self._exchange(logits, k, vocab, want_full)
+        return candidates, full, cache
+
+    def _exchange(self, logits_shard, k, vocab, want_full):
+        """Every rank's candidates from each rank's vocabulary shard ``(B, V/tp)``, in one all-gather."""
+        start = self.head.output_start_index
+        local = logits_shard.double()
+        local[:, max(0, min(vocab - start, local.shape[1])):] = -float("inf")  # padding past the vocabulary
+        full = None
+        if k is None or want_full:
+            full = dist.all_gather(logits_shard, dim=-1, group=self.group)[:, :vocab].double()  # (B, V)
+        if k is None:
+            return _best_k(full, 0, None), full
+        values, indices = _best_k(local, start, k)  # (B, k)
+        packed = torch.stack([values, indices.double()], dim=-1)  # (B, k, 2): an index is exact in float64
+        every = dist.all_gather(packed, dim=1, group=self.group, module="next_token")  # (B, tp k, 2)
+        return (every[..., 0], every[..., 1].long()), full
+
+
+def _best_k(values: torch.Tensor, offset: int, k: int | None):
+    """A shard's candidates: its ``k`` first by (value descending, index ascending), all if None."""
+    width = values.shape[1]
+    indices = torch.arange(offset, offset + width).expand(values.shape[0], width)  # (B, n)
+    if k is None or k >= width:
+        return values, indices
+    if k == 1:
+        top = values.max(dim=1, keepdim=True).values  # (B, 1)
+        first = (values == top).long().argmax(dim=1, keepdim=True)  # the first maximum
+        return top, indices.gather(1, first)
+    order = values.argsort(dim=1, descending=True, stable=True)[:, :k]  # (B, k)
+    return values.gather(1, order), indices.gather(1, order)
+
+
+@contextlib.contextmanager
+def _vocab_shards(head):
+    """The head's logits left sharded by vocabulary for one forward (None: nothing to change)."""
+    if head is None:
+        yield
+        return
+    head.gather_output = False
+    try:
+        yield
+    finally:
+        head.gather_output = True

@@ -15,23 +15,25 @@ every collective that ``tensorpar.dist.ledger`` records when a model parallelize
                                                                       b (s-1) max(e, 4) (loss);
                                                                       t > kv heads: 2 x all_reduce
                                                                       of (g, d, h[+1]) per layer
-    decode     one greedy step with a KV cache: a (b, 1) forward    logits with s = 1, then a
-               with gathered logits, then the argmax broadcast        broadcast of b int64 from
-               from rank 0 (tensorpar.models.generation)                rank 0
-    generate   generate(..., max_new_tokens=new_tokens): the        the prompt step (s = seq) and
-               prompt step then new_tokens - 1 decode steps           new_tokens - 1 decode steps
+    decode     one greedy step with a KV cache: a (b, 1) forward,   forward with s = 1, the head
+               the head's logits left vocab-sharded, then each        without a gather; then an
+               rank's best (value, index) exchanged                   all_gather of b t 2 float64
+               (tensorpar.models.generation)                          (16 bytes per candidate)
+    generate   generate(..., max_new_tokens=new_tokens): the        the prompt step (s = seq, the
+               prompt step then new_tokens - 1 decode steps           head on its last position
+                                                                      only) and new_tokens - 1
+                                                                      decode steps
 
 The items come from :func:`.comm.tp_collectives` (Shoeybi et al. 2019, Sec. 3; docs/architecture.md)
 with the head as the runtime runs it; bytes sent per rank are the ring figures of
 :func:`.collectives.ring_bytes_sent` (all-reduce ``2(t-1)/t N``, all-gather ``(t-1)/t N``) and,
-for the broadcast, :func:`.collectives.broadcast_bytes_sent` by the backend's algorithm (gloo a
-binomial tree, NCCL a pipelined chain), the same figures the ledger records.
+the same figures the ledger records.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .collectives import broadcast_bytes_sent
+from .collectives import ring_bytes_sent
 from .comm import tp_collectives
 from .hf import check_tp, hf_model, params_per_rank
 from .layout import Layout, check_size
@@ -39,8 +41,8 @@ from .layout import Layout, check_size
 WORKLOADS = ("forward", "logits", "train", "decode", "generate")
 ENCODER_WORKLOADS = ("forward", "logits")
 _DTYPE_OF = {8: "fp64", 4: "fp32", 2: "bf16"}
-BROADCAST_OF_BACKEND = {"gloo": "tree", "nccl": "chain"}
-TOKEN_ID_BYTES = 8  # generate broadcasts argmax ids, torch.long
+BACKENDS = ("gloo", "nccl", "shm")
+CANDIDATE_BYTES = 16  # generate exchanges (value, index) pairs as float64
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class _Step:
     seq: int
     head: str  # tp_collectives' head: "none", "gathered", "sharded"
     loss: bool = False
-    broadcast: bool = False
+    next_token: bool = False
     count: int = 1
 
 
@@ -116,11 +118,11 @@ def _steps(workload: str, seq: int, new_tokens: int) -> list[_Step]:
         return [_Step("inference", seq, "gathered")]
     if workload == "train":
         return [_Step("training", seq, "sharded", loss=True)]
-    decode = _Step("inference", 1, "gathered", broadcast=True)
+    decode = _Step("inference", 1, "sharded", next_token=True)
     if workload == "decode":
         return [decode]
-    later = [_Step("inference", 1, "gathered", broadcast=True, count=new_tokens - 1)] if new_tokens > 1 else []
-    return [_Step("inference", seq, "gathered", broadcast=True)] + later
+    later = [_Step("inference", 1, "sharded", next_token=True, count=new_tokens - 1)] if new_tokens > 1 else []
+    return [_Step("inference", seq, "sharded", next_token=True)] + later
 
 
 def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_per_elem: int,
@@ -132,12 +134,12 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
     ``seq``: tokens per sequence (for ``decode`` the context already cached, which changes no
     collective; for ``generate`` the prompt length); ``bytes_per_elem``: the model's dtype
     (8 float64, 4 float32, 2 bf16/fp16); ``new_tokens``: generated tokens (``generate``);
-    ``backend``: ``"gloo"`` or ``"nccl"``, which only splits the broadcast's bytes differently
-    over the ranks (the total is the same).
+    ``backend``: ``"gloo"``, ``"nccl"`` or ``"shm"`` (recorded in the prediction; the ring figures
+    are the same for each).
     """
     _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens)
-    if backend not in BROADCAST_OF_BACKEND:
-        raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BROADCAST_OF_BACKEND)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BACKENDS)}")
     model = hf_model(hf_config, seq=seq)
     check_tp(model, tp)
     if not model.is_causal and workload not in ENCODER_WORKLOADS:
@@ -146,7 +148,7 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
     layout = Layout(tp=tp, micro_batch=batch, dtype=_DTYPE_OF[bytes_per_elem], workload="inference")
     items, per_layer = [], []
     for step in _steps(workload, seq, new_tokens):
-        step_items, step_layer = _step_items(model, layout, step, BROADCAST_OF_BACKEND[backend])
+        step_items, step_layer = _step_items(model, layout, step)
         items += step_items
         per_layer += step_layer
     items, per_layer = _merge(items), _merge(per_layer)
@@ -162,18 +164,18 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
         param_bytes_per_rank=params * bytes_per_elem, notes=_notes(workload))
 
 
-def _step_items(model, layout, step: _Step, broadcast: str) -> tuple[list, list]:
+def _step_items(model, layout, step: _Step) -> tuple[list, list]:
     """(items, per-layer items) of one forward (and backward), times ``step.count``."""
     b, e, tp = layout.micro_batch, layout.bytes_per_elem, layout.tp
     comm = tp_collectives(model.spec, layout, phase=step.phase, seq=step.seq, head=step.head,
                           with_loss=step.loss, loss_bytes=max(e, 4), loss_tokens=b * (step.seq - 1))
     items = [_from_comm(i, tp, step.count) for i in comm["per_micro_batch"]]
     per_layer = [_from_comm(i, tp, step.count) for i in comm["per_layer"]]
-    if step.broadcast and tp > 1:
-        n = b * TOKEN_ID_BYTES
-        sent = tuple(broadcast_bytes_sent(n, tp, r, src=0, algorithm=broadcast) for r in range(tp))
-        items.append(PredictedCollective("broadcast", "next_token", "forward", tp, n, sent, step.count,
-                                         "greedy token ids from rank 0, so every rank appends the same"))
+    if step.next_token and tp > 1:
+        n = b * tp * CANDIDATE_BYTES  # the gathered (b, tp, 2) float64
+        sent = (ring_bytes_sent("all_gather", n, tp),) * tp
+        items.append(PredictedCollective("all_gather", "next_token", "forward", tp, n, sent, step.count,
+                                         "each rank's best (value, index): every rank picks the same token"))
     return items, per_layer
 
 

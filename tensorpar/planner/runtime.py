@@ -12,21 +12,26 @@ that step's ``batch x seq`` tokens:
     train      causal_lm_loss forward + backward, b s             ``always`` + ``train``; with a head
                                                                   split by vocabulary, 3 all-reduces
                                                                   of b (s-1) max(e, 4) (the loss)
-    decode     one greedy step, b                                 ``always`` + ``gathered``; a broadcast
-                                                                  of b int64 token ids from rank 0
-    generate   the prompt (b s), then new_tokens - 1 steps of b   as decode, each step
+    decode     one greedy step, b                                 ``always``; with a head split by
+                                                                  vocabulary an all-gather of b tp
+                                                                  (value, index) float64 pairs, else
+                                                                  ``gathered`` (the logits)
+    generate   the prompt (b s; the head on its last position),   as decode, each step
+               then new_tokens - 1 steps of b
 
 ``where`` is the module the ledger names, with layer (and expert) indices as ``*``; the loss's
-reductions and the token broadcast run outside the model (``cross_entropy``, ``next_token``).
+reductions and the next-token exchange run outside the model (``cross_entropy``, ``next_token``).
 Bytes sent per rank are the ring figures of :func:`.collectives.ring_bytes_sent`, the same
 expression the ledger evaluates.
 """
 from __future__ import annotations
 
-from .collectives import broadcast_bytes_sent, ring_bytes_sent
+from dataclasses import replace
+
+from .collectives import ring_bytes_sent
 from .inventory import CollectiveSite, ModelInventory
-from .predict import (BROADCAST_OF_BACKEND, TOKEN_ID_BYTES, PredictedCollective, RuntimePrediction, _check_args,
-                      _merge, _notes, _steps, _totals)
+from .predict import (BACKENDS, CANDIDATE_BYTES, PredictedCollective, RuntimePrediction, _check_args, _merge,
+                      _notes, _steps, _totals)
 
 CAUSAL_WORKLOADS = ("decode", "generate")
 
@@ -57,11 +62,13 @@ def _item(site: CollectiveSite, tokens: int, e: int, tp: int, count: int) -> Pre
                                (ring_bytes_sent(site.op, n, tp),) * tp, count, site.note)
 
 
-def step_items(inv: ModelInventory, step, batch: int, e: int, broadcast: str) -> tuple[list, dict]:
+def step_items(inv: ModelInventory, step, batch: int, e: int) -> tuple[list, dict]:
     """``(items, {layer: items})`` of one step of the workload, times ``step.count``."""
     tp, tokens = inv.tp, batch * step.seq
     if tp == 1:
         return [], {}
+    if step.next_token and not inv.sharded_head:  # a head that gathers: every rank has every logit
+        step = replace(step, head="gathered", next_token=False)
     items, layers = [], {}
     for site in inv.sites:
         if runs(site, step):
@@ -75,11 +82,11 @@ def step_items(inv: ModelInventory, step, batch: int, e: int, broadcast: str) ->
         items.append(PredictedCollective("all_reduce", "cross_entropy", "forward", tp, n,
                                          (ring_bytes_sent("all_reduce", n, tp),) * tp, 3 * step.count,
                                          "max, target logit and sum of exp per token (logits stay sharded)"))
-    if step.broadcast:
-        n = batch * TOKEN_ID_BYTES
-        sent = tuple(broadcast_bytes_sent(n, tp, r, src=0, algorithm=broadcast) for r in range(tp))
-        items.append(PredictedCollective("broadcast", "next_token", "forward", tp, n, sent, step.count,
-                                         "greedy token ids from rank 0, so every rank appends the same"))
+    if step.next_token:
+        n = batch * tp * CANDIDATE_BYTES  # the gathered (b, tp, 2) float64
+        items.append(PredictedCollective("all_gather", "next_token", "forward", tp, n,
+                                         (ring_bytes_sent("all_gather", n, tp),) * tp, step.count,
+                                         "each rank's best (value, index): every rank picks the same token"))
     return items, layers
 
 
@@ -100,12 +107,12 @@ def predict_from_inventory(inv: ModelInventory, batch: int, seq: int, bytes_per_
     """Every collective each rank issues in ``workload`` (see the module docstring), and the
     parameters each rank holds (the most loaded rank's, where ranks differ)."""
     _check_args(inv.tp, batch, seq, bytes_per_elem, workload, new_tokens)
-    if backend not in BROADCAST_OF_BACKEND:
-        raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BROADCAST_OF_BACKEND)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BACKENDS)}")
     check_workload(inv, workload)
     items, layers = [], {}
     for step in _steps(workload, seq, new_tokens):
-        step_list, step_layers = step_items(inv, step, batch, bytes_per_elem, BROADCAST_OF_BACKEND[backend])
+        step_list, step_layers = step_items(inv, step, batch, bytes_per_elem)
         items += step_list
         for layer, its in step_layers.items():
             layers.setdefault(layer, []).extend(its)

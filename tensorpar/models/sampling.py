@@ -1,0 +1,113 @@
+"""Choosing the next token from candidates that every rank holds identically.
+
+A split model's output head leaves each rank the logits of its own vocabulary shard. Instead of
+gathering ``B x V`` logits, each rank offers *candidates* — its best ``k`` values and their
+vocabulary indices (``k = 1`` for greedy, ``top_k`` when sampling with it) — and one all-gather
+of ``B x tp x k`` (value, index) pairs gives every rank the same candidates, from which every
+rank computes the same token: no broadcast. The global best ``k`` are among the candidates,
+since each is among its shard's best ``k``. Sampling without ``top_k`` needs every logit: the
+shards are gathered (``B x V``) and every index is a candidate.
+
+The choice, on candidates ``(values, indices)`` (float64 values: exact for any model dtype):
+
+- greedy: the largest value, the smallest index among equal ones (``torch.argmax``'s rule);
+- sampling (``do_sample``): values divided by ``temperature``; if ``top_k``, only the ``top_k``
+  largest kept; if ``top_p < 1``, only the smallest set of the largest whose probability
+  (softmax over the kept) reaches ``top_p`` (Holtzman et al. 2020, "The Curious Case of Neural
+  Text Degeneration", Sec. 3.1; the order of Hugging Face's ``generate``: temperature, top-k,
+  top-p); then the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, "A* Sampling", Sec. 2):
+  ``argmax(value + G)``, ``G = -log(-log U)``, is an exact draw from the softmax. ``U`` for
+  row ``b``, vocabulary index ``v`` at step ``t`` is element ``(b, v)`` of ``torch.rand(B, V,
+  dtype=float64)`` from a generator seeded with :func:`step_seed` ``(seed, t)``: it depends
+  only on the seed, the step and the index, so a split model and the unsplit one with the same
+  seed draw the same token from the same logits, and so do all ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """How the next token is chosen; validated at construction (``ValueError`` naming the value)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"temperature must be a positive finite number, got {self.temperature!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def candidates(self) -> int | None:
+        """Candidates each shard offers: 1 (greedy), ``top_k``, or None (every logit)."""
+        if not self.do_sample:
+            return 1
+        return self.top_k
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of step ``step``: distinct per (seed, step), the same on every rank."""
+    return (seed * 1_000_003 + step) % (2 ** 63)
+
+
+def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: int, vocab_size: int) -> torch.Tensor:
+    """The next token of each row, ``(B,)`` int64, from candidates ``values`` (B, M) float64 and
+    their vocabulary ``indices`` (B, M); ``-inf`` values are never chosen."""
+    if bool(torch.isnan(values).any()):
+        raise ValueError(f"the logits of step {step} contain NaN: no token can be chosen (the model's "
+                         f"weights or inputs are not finite)")
+    if not sampler.do_sample:
+        return _best(values, indices)
+    scores = values / sampler.temperature
+    if sampler.top_k is not None and sampler.top_k < scores.shape[1]:
+        keep = first_k(scores, indices, sampler.top_k)
+        scores = scores.masked_fill(~keep, -math.inf)
+    if sampler.top_p < 1:
+        scores = _nucleus(scores, sampler.top_p)
+    gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
+    uniform = torch.rand(values.shape[0], vocab_size, generator=gen, dtype=torch.float64)  # (B, V)
+    gumbel = -torch.log(-torch.log(uniform.gather(1, indices)))  # (B, M), at the candidates' indices
+    return _best(scores + gumbel, indices)
+
+
+def first_k(scores: torch.Tensor, indices: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask (B, M) of the ``k`` first candidates by (score descending, index ascending): a strict
+    order, so the ``k`` kept from a shard's candidates are the ``k`` kept from the whole vocabulary."""
+    by_index = indices.argsort(dim=1, stable=True)  # (B, M)
+    by_score = scores.gather(1, by_index).argsort(dim=1, descending=True, stable=True)
+    kept = by_index.gather(1, by_score)[:, :k]  # (B, k): positions in the candidates
+    return torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, True)
+
+
+def _best(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Per row: the index of the largest score, the smallest index among ties."""
+    top = scores.max(dim=1, keepdim=True).values  # (B, 1)
+    tied = indices.masked_fill(scores != top, torch.iinfo(torch.long).max)
+    return tied.min(dim=1).values
+
+
+def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` with all but the smallest set of the largest reaching probability ``top_p`` at -inf."""
+    ordered, order = scores.sort(dim=1, descending=True)  # (B, M)
+    probs = ordered.softmax(dim=1)
+    before = probs.cumsum(dim=1) - probs  # probability of the strictly larger ones
+    drop_sorted = before >= top_p  # the first is always kept (before = 0 < top_p)
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return scores.masked_fill(drop, -math.inf)
