@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-SUITES = ("mlp", "models")
+SUITES = ("mlp", "models", "decode")
 
 
 def add_parser(sub) -> None:
@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                    "MLP sizes run 5x as many, shorter ones)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run of the chosen suites: the MLP suite at its two smallest sizes, the models "
-                   "suite's three architectures at ~0.6M parameters and 2x32 tokens")
+                   "suite's three architectures at ~0.6M parameters and 2x32 tokens, the decode suite's Llama at "
+                   "~0.6M parameters, batches 1 and 2, 8 tokens")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -74,5 +75,14 @@ def _run(args, suites, out, report, phase):
         files += [out / "models.md", report.plot_model_ratios(rows, out / "models.png", {
             "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
             "models, tp=2")]
+    if "decode" in suites:
+        from tensorpar.bench.decode import QUICK as DECODE_QUICK
+        from tensorpar.bench.decode import run_decode_bench
+
+        with phase("decode suite: per token, shared memory / gloo / HF tp_plan / unsplit, tp=2"):
+            rows = run_decode_bench(args.repeats, **(DECODE_QUICK if args.quick else {}))
+        results["decode"], tables["decode"] = rows, report.decode_table(rows)
+        (out / "decode.md").write_text(tables["decode"])
+        files.append(out / "decode.md")
     files.append(report.write_json(results, out / "results.json"))
     return results, tables, files

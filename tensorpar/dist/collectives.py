@@ -17,6 +17,7 @@ torch's "modified by an inplace operation" error instead of using the new values
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as tdist
@@ -48,15 +49,19 @@ def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None
 
 @contextlib.contextmanager
 def _on_wire(led: "Ledger | None", group):
-    """Around the backend call alone (inside the flight recorder's signature check): the bytes the
-    sockets carried, into the record just made, when the ledger asks and the backend is TCP."""
-    if led is None or not led.wire or transport(group) != "gloo":
+    """Around the backend call alone (inside the flight recorder's signature check): its wall time
+    and, when the ledger asks and the transport is TCP, the bytes the sockets carried, into the
+    record just made."""
+    if led is None:
         yield
         return
     index = len(led.records) - 1
-    before = wire.counters()
+    count = led.wire and transport(group) == "gloo"
+    before = wire.counters() if count else None
+    t0 = time.perf_counter()
     yield
-    after = wire.counters()
+    led.set_seconds(index, time.perf_counter() - t0)
+    after = wire.counters() if count else None
     if before is not None and after is not None:
         led.set_wire(index, after[0] - before[0], after[1] - before[1])
 

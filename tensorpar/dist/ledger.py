@@ -80,6 +80,7 @@ class CollectiveRecord:
     bytes_sent: int  # the ring formula for this call
     wire_bytes_sent: int | None = None  # what the TCP sockets carried (``ledger(wire=True)``)
     wire_bytes_received: int | None = None
+    seconds: float | None = None  # this rank's wall time in the call (synchronous calls; None: async)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -113,6 +114,13 @@ class Ledger:
     def set_wire(self, record_index: int, sent: int, received: int) -> None:
         self.records[record_index] = replace(self.records[record_index], wire_bytes_sent=sent,
                                              wire_bytes_received=received)
+
+    def set_seconds(self, record_index: int, seconds: float) -> None:
+        self.records[record_index] = replace(self.records[record_index], seconds=seconds)
+
+    def seconds_in_collectives(self) -> float:
+        """Wall time this rank spent inside the recorded synchronous calls (waiting for peers included)."""
+        return sum(r.seconds for r in self.records if r.seconds is not None)
 
     def total_bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.records)

@@ -1,0 +1,82 @@
+"""Workers for tests/test_models_generation.py (spawned ranks import them)."""
+import copy
+import warnings
+
+import torch
+import torch.distributed as tdist
+
+from tensorpar import dist
+from tensorpar.apply import parallelize
+from tensorpar.models.generation import generate
+from tensorpar.models.testing import make_tiny_model
+
+# Prompts of three lengths; with the seeds below each tiny model's rows continue differently
+# (checked in the test: a model that repeats one token whatever happens proves nothing).
+PROMPTS = [[5, 9, 11, 2, 7, 3, 12], [8, 1], [4, 4, 9, 10]]
+NEW = 6
+# GPT-2 at its default initializer range repeats the prompt's last token whatever happens; wider
+# weights make it depend on its context (checked by test_the_cases_have_power).
+SIZES = {"llama": {}, "gpt2": {"initializer_range": 0.3}}
+SAMPLERS = {
+    "greedy": {},
+    "temperature": {"do_sample": True, "temperature": 0.7, "seed": 11},
+    "top_k+top_p": {"do_sample": True, "top_k": 5, "top_p": 0.8, "seed": 12},
+    "top_p": {"do_sample": True, "top_p": 0.6, "seed": 13},
+}
+
+
+def generation_worker(archs):
+    """For tp 2 (ranks [0, 1] and [2, 3]) and tp 4: each arch split over the group against the
+    unsplit model built from the same seed, every sampler; HF's own generate for greedy rows."""
+    warnings.filterwarnings("ignore")
+    r = tdist.get_rank()
+    out = {}
+    pairs = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
+    for tp, group in ((2, pairs[r // 2]), (4, None)):
+        for arch in archs:
+            dense = make_tiny_model(arch, seed=3, **SIZES[arch])
+            split = parallelize(copy.deepcopy(dense), tp_group=group)
+            out[(arch, tp)] = _compare(dense, split)
+    out["stop"] = _stop_case(pairs[r // 2])
+    return out
+
+
+def _compare(dense, split) -> dict:
+    res = {}
+    for name, kw in SAMPLERS.items():
+        with dist.ledger() as led:
+            got = generate(split, PROMPTS, NEW, **kw)
+        got_again, split_logits = generate(split, PROMPTS, NEW, return_logits=True, **kw)
+        want, dense_logits = generate(dense, PROMPTS, NEW, return_logits=True, **kw)
+        res[name] = {"tokens": got[:, -NEW:].tolist(), "dense_tokens": want[:, -NEW:].tolist(),
+                     "same_again": torch.equal(got, got_again),
+                     "logits_err": max((a - b).abs().max().item() for a, b in zip(split_logits, dense_logits)),
+                     "dense_logits": [s.tolist() for s in dense_logits],
+                     "ops": sorted({(rec.op, rec.module) for rec in led.records if rec.module in ("", "next_token")})}
+    res["hf_rows"] = [_hf_greedy(dense, [p]) for p in PROMPTS]  # each row alone, by transformers
+    res["hf_batch"] = _hf_greedy(dense, PROMPTS)  # left-padded, by transformers
+    return res
+
+
+def _hf_greedy(model, prompts) -> list:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None  # no stopping and no eos suppression: NEW greedy tokens, as generate here
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             generation_config=config)
+    return out[:, -NEW:].tolist()
+
+
+def _stop_case(group):
+    """A stop token that row 0 first produces after its first step: row 0 stops there and is padded,
+    the others go on (unless they produce it too)."""
+    dense = make_tiny_model("llama", seed=3)
+    split = parallelize(copy.deepcopy(dense), tp_group=group)
+    free = generate(dense, PROMPTS, NEW)[:, -NEW:]
+    row = free[0].tolist()
+    stop = next(t for k, t in enumerate(row) if k >= 1 and t not in row[:k])
+    got = generate(split, PROMPTS, NEW, eos_token_id=[stop], pad_token_id=0)[:, -NEW:]
+    return free.tolist(), stop, got.tolist()

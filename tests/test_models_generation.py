@@ -1,0 +1,147 @@
+"""Generation on split models: batches of mixed prompt lengths, sampling and stop tokens, against
+the unsplit model (every step's logits), transformers' own generate, and an independent sampler."""
+import functools
+import math
+
+import pytest
+import torch
+
+from tensorpar import dist
+from tensorpar.models.sampling import Sampler, choose, step_seed
+from tests import _generation_workers as W
+
+ARCHS = ("llama", "gpt2")
+# float64 split vs unsplit: the all-reduces add partial sums in another order than one matmul,
+# so logits differ by rounding, ~1e-16 relative; 1e-10 is far above that and far below any fault.
+LOGITS_TOL = 1e-10
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list:
+    return dist.launch(W.generation_worker, 4, ARCHS, deadline=900)
+
+
+@pytest.mark.parametrize("arch, tp", [(a, tp) for tp in (2, 4) for a in ARCHS])
+def test_every_row_and_every_step_equal_the_unsplit_model(arch, tp):
+    for rank, res in enumerate(results()):
+        case = res[(arch, tp)]
+        for name in W.SAMPLERS:
+            c = case[name]
+            assert c["tokens"] == c["dense_tokens"], (rank, name, c["tokens"], c["dense_tokens"])
+            assert c["logits_err"] <= LOGITS_TOL, (rank, name, c["logits_err"])
+            assert c["same_again"], (rank, name)
+            # one exchange per step outside the model: the candidates, never a broadcast
+            assert {op for op, _ in c["ops"]} == {"all_gather"}, c["ops"]
+        greedy = case["greedy"]["tokens"]
+        assert greedy == case["hf_batch"], ("left-padded batch differs from transformers", greedy, case["hf_batch"])
+        assert greedy == [row[0] for row in case["hf_rows"]], "a row differs from the same prompt alone"
+
+
+def test_the_cases_have_power():
+    """Rows continue differently, sampled tokens differ from greedy ones, and the logits vary from
+    step to step: equal tokens would otherwise prove nothing."""
+    for key, case in results()[0].items():
+        if key == "stop":
+            continue
+        arch = key[0]
+        greedy = case["greedy"]["dense_tokens"]
+        assert len({tuple(row) for row in greedy}) == len(greedy), (arch, greedy)
+        assert any(len(set(row)) > 1 for row in greedy), (arch, greedy)
+        assert case["temperature"]["dense_tokens"] != greedy, arch
+        steps = case["greedy"]["dense_logits"]
+        assert steps[0] != steps[1], arch
+
+
+@pytest.mark.parametrize("name", [n for n in W.SAMPLERS if n != "greedy"])
+def test_sampled_tokens_follow_an_independent_sampler(name):
+    """The tokens chosen from each step's logits, recomputed here from the documented recipe
+    (softmax over temperature-scaled logits, top-k, nucleus, Gumbel noise from the step's seed)
+    without tensorpar's sampler."""
+    kw = W.SAMPLERS[name]
+    case = results()[0][("llama", 2)][name]
+    for step, logits in enumerate(case["dense_logits"]):
+        logits = torch.tensor(logits, dtype=torch.float64)  # (B, V)
+        want = _reference_pick(logits, kw, step)
+        assert [row[step] for row in case["dense_tokens"]] == want, (name, step)
+
+
+def _reference_pick(logits, kw, step) -> list:
+    b, v = logits.shape
+    gen = torch.Generator().manual_seed(step_seed(kw["seed"], step))
+    noise = -torch.log(-torch.log(torch.rand(b, v, generator=gen, dtype=torch.float64)))
+    picks = []
+    for row in range(b):
+        scores = [(x / kw.get("temperature", 1.0), i) for i, x in enumerate(logits[row].tolist())]
+        order = sorted(scores, key=lambda s: (-s[0], s[1]))
+        kept = order[: kw["top_k"]] if kw.get("top_k") else order
+        top_p = kw.get("top_p", 1.0)
+        if top_p < 1:
+            biggest = kept[0][0]
+            weights = [math.exp(s - biggest) for s, _ in kept]
+            total, mass, nucleus = sum(weights), 0.0, []
+            for (s, i), w in zip(kept, weights):
+                if mass >= top_p:
+                    break
+                nucleus.append((s, i))
+                mass += w / total
+            kept = nucleus
+        picks.append(max(kept, key=lambda s: (s[0] + noise[row, s[1]].item(), -s[1]))[1])
+    return picks
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": 1.0}, {"temperature": 0.5}, {"temperature": 2.0, "top_k": 3}, {"top_p": 0.7},
+])
+def test_draws_follow_the_distribution(kw):
+    """6000 draws (steps) from fixed logits: each token's frequency within 5 standard errors of its
+    probability (softmax over the kept tokens); a token outside top-k / top-p is never drawn."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3]], dtype=torch.float64)
+    sampler = Sampler(do_sample=True, seed=5, **kw)
+    v = logits.shape[1]
+    n = 6000
+    counts = torch.zeros(v)
+    indices = torch.arange(v)[None]
+    for step in range(n):
+        counts[choose(logits, indices, sampler, step, v)] += 1
+    probs = _expected(logits[0], kw)
+    for token in range(v):
+        p = probs[token]
+        if p == 0:
+            assert counts[token] == 0, (token, kw)
+        else:
+            sigma = math.sqrt(p * (1 - p) / n)
+            assert abs(counts[token] / n - p) < 5 * sigma, (token, counts[token] / n, p, kw)
+
+
+def _expected(logits, kw) -> list:
+    scores = logits / kw.get("temperature", 1.0)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i].item(), i))
+    kept = order[: kw["top_k"]] if kw.get("top_k") else order
+    weights = {i: math.exp(scores[i].item()) for i in kept}
+    if kw.get("top_p", 1.0) < 1:
+        total, mass, nucleus = sum(weights.values()), 0.0, []
+        for i in kept:
+            if mass >= kw["top_p"]:
+                break
+            nucleus.append(i)
+            mass += weights[i] / total
+        weights = {i: weights[i] for i in nucleus}
+    total = sum(weights.values())
+    return [weights.get(i, 0.0) / total for i in range(len(scores))]
+
+
+def test_greedy_ties_go_to_the_smallest_index_like_argmax():
+    values = torch.tensor([[1.0, 3.0, 3.0, 2.0]], dtype=torch.float64)
+    indices = torch.tensor([[7, 4, 2, 9]])
+    assert choose(values, indices, Sampler(), 0, 10).tolist() == [2]
+    with pytest.raises(ValueError, match="contain NaN"):
+        choose(torch.tensor([[float("nan"), 1.0]], dtype=torch.float64), torch.tensor([[0, 1]]), Sampler(), 0, 2)
+
+
+def test_a_stop_token_ends_its_row_and_pads_it():
+    free, stop, got = results()[0]["stop"]
+    stops_at = [row.index(stop) if stop in row else None for row in free]
+    length = len(free[0]) if None in stops_at else max(stops_at) + 1  # ends once every row has stopped
+    want = [row[: k + 1] + [0] * (length - k - 1) if k is not None else row[:length]
+            for row, k in zip(free, stops_at)]
+    assert stops_at[0] >= 1 and got == want, (free, stop, got)
