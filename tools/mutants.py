@@ -38,8 +38,11 @@ class Mutant:
 M = Mutant
 MUTANTS = [
     # dist/: the collectives, the ledger, the launcher, the flight recorder
-    M("all_reduce skipped", "dist/collectives.py",
+    M("all_reduce skipped over gloo", "dist/collectives.py",
       "work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)", "work = None",
+      ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
+    M("all_reduce skipped over shared memory", "dist/collectives.py",
+      "work = shm.all_reduce(segment, x, op)", "work = None",
       ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
     M("copy_to_tp_region's backward not reduced", "dist/mappings.py",
       "return C.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None", "return _fresh(grad), None",

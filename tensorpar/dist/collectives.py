@@ -28,6 +28,7 @@ from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
 from tensorpar.dist.groups import refuse_planning
 from tensorpar.dist.ledger import Ledger, active_ledger
+from tensorpar.dist import shm
 from tensorpar.dist.shm import transport
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
@@ -79,8 +80,12 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     if group_size(group) == 1:
         return None if async_op else x
     led = _record("all_reduce", x, group, phase, module, record_to=record_to)
+    segment = None if async_op else shm.segment_of(group, x)
     with flight.issuing("all_reduce", x, group, module), _on_wire(None if async_op else led, group):
-        work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
+        if segment is not None:
+            work = shm.all_reduce(segment, x, op)
+        else:
+            work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
     increment_version(x)
     return work if async_op else x
 
@@ -95,8 +100,12 @@ def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
     out = moved.new_empty((p * moved.shape[0], *moved.shape[1:]))  # (p*d, ...)
     full = (*x.shape[:dim % x.dim()], p * x.shape[dim], *x.shape[dim % x.dim() + 1:])  # the gathered shape
     led = _record("all_gather", out, group, phase, module, record_to=record_to, shape=full)
+    segment = shm.segment_of(group, moved)
     with flight.issuing("all_gather", moved, group, module), _on_wire(led, group):
-        tdist.all_gather_single(out, moved, group=group)
+        if segment is not None:
+            shm.all_gather_single(segment, out, moved)
+        else:
+            tdist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -110,7 +119,11 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
     moved = x.movedim(dim, 0).contiguous()  # (p*c, ...)
     led = _record("reduce_scatter", moved, group, phase, module, record_to=record_to, shape=tuple(x.shape))
     with flight.issuing("reduce_scatter", moved, group, module), _on_wire(led, group):
-        if transport(group) == "gloo":
+        segment = shm.segment_of(group, moved)
+        if segment is not None:
+            out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
+            shm.reduce_scatter_single(segment, out, moved)
+        elif transport(group) == "gloo":
             out = _ring_reduce_scatter(moved, group)
         else:
             out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
@@ -143,8 +156,12 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
         return x
     led = _record("broadcast", x, group, "forward", module, src=src)
     global_src = tdist.get_global_rank(group, src) if group is not None else src
+    segment = shm.segment_of(group, x) if x.is_contiguous() else None
     with flight.issuing("broadcast", x, group, module), _on_wire(led, group):
-        tdist.broadcast(x, src=global_src, group=group)
+        if segment is not None:
+            shm.broadcast(segment, x, src)
+        else:
+            tdist.broadcast(x, src=global_src, group=group)
     increment_version(x)
     return x
 

@@ -148,6 +148,14 @@ class Segment:
         self.timeout_s = 1800.0
         self.spin = 0
         self.broken = ""  # why the group failed, once it has
+        self._typed: dict = {}
+
+    def typed(self, dtype: torch.dtype) -> list:
+        """Every rank's slot as a flat tensor of ``dtype`` (made once per dtype)."""
+        views = self._typed.get(dtype)
+        if views is None:
+            views = self._typed[dtype] = [slot.view(dtype) for slot in self.slots]
+        return views
 
     # flag indices (int32 units): arrive of r, depart of r
     def _arrive(self, r: int) -> int:
