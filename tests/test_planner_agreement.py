@@ -243,6 +243,7 @@ def test_tp_one_predicts_nothing_and_the_dense_parameter_count():
     (dict(bytes_per_elem=3), "bytes_per_elem (3) must be one of"),
     (dict(seq=1, workload="train"), "seq (1) must be at least 2"),
     (dict(batch=0), "batch (0) must be a positive integer"),
+    (dict(candidates=0, workload="generate"), "candidates (0) must be a positive integer"),
     (dict(backend="mpi"), "backend ('mpi') must be one of: gloo, nccl"),
 ])
 def test_bad_input_names_the_value_and_the_choices(kwargs, message):

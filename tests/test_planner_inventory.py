@@ -87,6 +87,20 @@ def test_the_five_families_predict_as_the_formulas(family, tp, workload, e):
         old.params_total, old.params_per_rank, old.param_bytes_per_rank, old.layers)
 
 
+@pytest.mark.parametrize("family, tp", [("llama", 2), ("gpt2", 4)])
+def test_sampling_candidates_predict_as_the_formulas(family, tp):
+    """top_k sampling: each rank offers its k best (value, index) pairs per row and step, at most
+    its vocabulary shard ceil(V / tp) (130 tokens: 65 at tp 2, 33 at tp 4, padding included)."""
+    from tensorpar.models.testing import make_tiny_config
+    cfg = make_tiny_config(family)
+    for k in (1, 5, 1000):
+        old = predict_collectives(cfg.to_dict(), tp, B, S, 4, "generate", new_tokens=3, candidates=k)
+        new = predict_from_inventory(_inventory(family, tp, True), B, S, 4, "generate", new_tokens=3, candidates=k)
+        assert _flat(new) == _flat(old) and new.bytes_sent_per_rank == old.bytes_sent_per_rank
+        (exchange,) = [i for i in new.items if i.where == "next_token"]
+        assert exchange.payload_bytes == B * tp * min(k, -(-cfg.vocab_size // tp)) * 16 and exchange.count == 3
+
+
 # ---- the inventory as data ----------------------------------------------------------------------------
 
 def test_inventory_round_trips_through_json():

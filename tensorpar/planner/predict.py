@@ -17,8 +17,9 @@ every collective that ``tensorpar.dist.ledger`` records when a model parallelize
                                                                       of (g, d, h[+1]) per layer
     decode     one greedy step with a KV cache: a (b, 1) forward,   forward with s = 1, the head
                the head's logits left vocab-sharded, then each        without a gather; then an
-               rank's best (value, index) exchanged                   all_gather of b t 2 float64
-               (tensorpar.models.generation)                          (16 bytes per candidate)
+               rank's best (value, index) exchanged                   all_gather of b t k 2 float64
+               (tensorpar.models.generation)                          (16 bytes per candidate;
+                                                                      k = candidates, 1 for greedy)
     generate   generate(..., max_new_tokens=new_tokens): the        the prompt step (s = seq, the
                prompt step then new_tokens - 1 decode steps           head on its last position
                                                                       only) and new_tokens - 1
@@ -111,6 +112,12 @@ class _Step:
     count: int = 1
 
 
+def candidates_per_rank(candidates: int, vocab: int, tp: int) -> int:
+    """Candidates each rank offers per row in a decode step: ``candidates`` (1 for greedy, top_k
+    when sampling with it), at most its vocabulary shard, ``ceil(V / tp)`` (padding included)."""
+    return min(candidates, -(-vocab // tp))
+
+
 def _steps(workload: str, seq: int, new_tokens: int) -> list[_Step]:
     if workload == "forward":
         return [_Step("inference", seq, "none")]
@@ -126,7 +133,7 @@ def _steps(workload: str, seq: int, new_tokens: int) -> list[_Step]:
 
 
 def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_per_elem: int,
-                        workload: str = "forward", *, new_tokens: int = 1,
+                        workload: str = "forward", *, new_tokens: int = 1, candidates: int = 1,
                         backend: str = "gloo") -> RuntimePrediction:
     """Every collective one tp rank issues in ``workload`` (see the module docstring).
 
@@ -134,10 +141,12 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
     ``seq``: tokens per sequence (for ``decode`` the context already cached, which changes no
     collective; for ``generate`` the prompt length); ``bytes_per_elem``: the model's dtype
     (8 float64, 4 float32, 2 bf16/fp16); ``new_tokens``: generated tokens (``generate``);
+    ``candidates``: the (value, index) pairs each rank offers per row and decode step (1 greedy,
+    ``top_k`` when sampling with it; sampling without top_k gathers the logits: not predicted);
     ``backend``: ``"gloo"``, ``"nccl"`` or ``"shm"`` (recorded in the prediction; the ring figures
     are the same for each).
     """
-    _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens)
+    _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens, candidates)
     if backend not in BACKENDS:
         raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BACKENDS)}")
     model = hf_model(hf_config, seq=seq)
@@ -148,7 +157,7 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
     layout = Layout(tp=tp, micro_batch=batch, dtype=_DTYPE_OF[bytes_per_elem], workload="inference")
     items, per_layer = [], []
     for step in _steps(workload, seq, new_tokens):
-        step_items, step_layer = _step_items(model, layout, step)
+        step_items, step_layer = _step_items(model, layout, step, candidates)
         items += step_items
         per_layer += step_layer
     items, per_layer = _merge(items), _merge(per_layer)
@@ -164,7 +173,7 @@ def predict_collectives(hf_config: dict, tp: int, batch: int, seq: int, bytes_pe
         param_bytes_per_rank=params * bytes_per_elem, notes=_notes(workload))
 
 
-def _step_items(model, layout, step: _Step) -> tuple[list, list]:
+def _step_items(model, layout, step: _Step, candidates: int = 1) -> tuple[list, list]:
     """(items, per-layer items) of one forward (and backward), times ``step.count``."""
     b, e, tp = layout.micro_batch, layout.bytes_per_elem, layout.tp
     comm = tp_collectives(model.spec, layout, phase=step.phase, seq=step.seq, head=step.head,
@@ -172,7 +181,7 @@ def _step_items(model, layout, step: _Step) -> tuple[list, list]:
     items = [_from_comm(i, tp, step.count) for i in comm["per_micro_batch"]]
     per_layer = [_from_comm(i, tp, step.count) for i in comm["per_layer"]]
     if step.next_token and tp > 1:
-        n = b * tp * CANDIDATE_BYTES  # the gathered (b, tp, 2) float64
+        n = b * tp * candidates_per_rank(candidates, model.spec.vocab, tp) * CANDIDATE_BYTES  # (b, tp k, 2) float64
         sent = (ring_bytes_sent("all_gather", n, tp),) * tp
         items.append(PredictedCollective("all_gather", "next_token", "forward", tp, n, sent, step.count,
                                          "each rank's best (value, index): every rank picks the same token"))
@@ -209,8 +218,9 @@ def _notes(workload: str) -> list:
     return []
 
 
-def _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens) -> None:
-    for name, value in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens)):
+def _check_args(tp, batch, seq, bytes_per_elem, workload, new_tokens, candidates=1) -> None:
+    for name, value in (("tp", tp), ("batch", batch), ("seq", seq), ("new_tokens", new_tokens),
+                        ("candidates", candidates)):
         check_size(name, value)
     if bytes_per_elem not in _DTYPE_OF:
         raise ValueError(f"bytes_per_elem ({bytes_per_elem!r}) must be one of: 8 (float64), 4 (float32), "

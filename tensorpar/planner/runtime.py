@@ -13,8 +13,9 @@ that step's ``batch x seq`` tokens:
                                                                   split by vocabulary, 3 all-reduces
                                                                   of b (s-1) max(e, 4) (the loss)
     decode     one greedy step, b                                 ``always``; with a head split by
-                                                                  vocabulary an all-gather of b tp
-                                                                  (value, index) float64 pairs, else
+                                                                  vocabulary an all-gather of b tp k
+                                                                  (value, index) float64 pairs (k =
+                                                                  ``candidates``, 1 greedy), else
                                                                   ``gathered`` (the logits)
     generate   the prompt (b s; the head on its last position),   as decode, each step
                then new_tokens - 1 steps of b
@@ -31,7 +32,7 @@ from dataclasses import replace
 from .collectives import ring_bytes_sent
 from .inventory import CollectiveSite, ModelInventory
 from .predict import (BACKENDS, CANDIDATE_BYTES, PredictedCollective, RuntimePrediction, _check_args, _merge,
-                      _notes, _steps, _totals)
+                      _notes, _steps, _totals, candidates_per_rank)
 
 CAUSAL_WORKLOADS = ("decode", "generate")
 
@@ -62,8 +63,9 @@ def _item(site: CollectiveSite, tokens: int, e: int, tp: int, count: int) -> Pre
                                (ring_bytes_sent(site.op, n, tp),) * tp, count, site.note)
 
 
-def step_items(inv: ModelInventory, step, batch: int, e: int) -> tuple[list, dict]:
-    """``(items, {layer: items})`` of one step of the workload, times ``step.count``."""
+def step_items(inv: ModelInventory, step, batch: int, e: int, candidates: int = 1) -> tuple[list, dict]:
+    """``(items, {layer: items})`` of one step of the workload, times ``step.count``; ``candidates``:
+    the (value, index) pairs each rank offers per row at a decode step (1 greedy, else top_k)."""
     tp, tokens = inv.tp, batch * step.seq
     if tp == 1:
         return [], {}
@@ -83,7 +85,7 @@ def step_items(inv: ModelInventory, step, batch: int, e: int) -> tuple[list, dic
                                          (ring_bytes_sent("all_reduce", n, tp),) * tp, 3 * step.count,
                                          "max, target logit and sum of exp per token (logits stay sharded)"))
     if step.next_token:
-        n = batch * tp * CANDIDATE_BYTES  # the gathered (b, tp, 2) float64
+        n = batch * tp * candidates_per_rank(candidates, inv.vocab, tp) * CANDIDATE_BYTES  # (b, tp k, 2) float64
         items.append(PredictedCollective("all_gather", "next_token", "forward", tp, n,
                                          (ring_bytes_sent("all_gather", n, tp),) * tp, step.count,
                                          "each rank's best (value, index): every rank picks the same token"))
@@ -102,17 +104,17 @@ def check_workload(inv: ModelInventory, workload: str) -> None:
 
 
 def predict_from_inventory(inv: ModelInventory, batch: int, seq: int, bytes_per_elem: int,
-                           workload: str = "forward", *, new_tokens: int = 1,
+                           workload: str = "forward", *, new_tokens: int = 1, candidates: int = 1,
                            backend: str = "gloo") -> RuntimePrediction:
     """Every collective each rank issues in ``workload`` (see the module docstring), and the
     parameters each rank holds (the most loaded rank's, where ranks differ)."""
-    _check_args(inv.tp, batch, seq, bytes_per_elem, workload, new_tokens)
+    _check_args(inv.tp, batch, seq, bytes_per_elem, workload, new_tokens, candidates)
     if backend not in BACKENDS:
         raise ValueError(f"backend ({backend!r}) must be one of: {', '.join(BACKENDS)}")
     check_workload(inv, workload)
     items, layers = [], {}
     for step in _steps(workload, seq, new_tokens):
-        step_list, step_layers = step_items(inv, step, batch, bytes_per_elem)
+        step_list, step_layers = step_items(inv, step, batch, bytes_per_elem, candidates)
         items += step_list
         for layer, its in step_layers.items():
             layers.setdefault(layer, []).extend(its)

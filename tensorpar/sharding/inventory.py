@@ -490,10 +490,12 @@ def attention_layers(dense, model, dims, config, tp: int) -> list:
 # ---- the planner's prediction ---------------------------------------------------------------------------
 
 def predict_collectives(config_or_path, tp: int, batch: int, seq: int, bytes_per_elem: int,
-                        workload: str = "forward", *, new_tokens: int = 1, backend: str = "gloo"):
+                        workload: str = "forward", *, new_tokens: int = 1, candidates: int = 1,
+                        backend: str = "gloo"):
     """The planner's ``RuntimePrediction`` (``tensorpar.planner.predict``) of ``workload`` for any
     architecture ``parallelize`` splits: ``forward`` runs the bare model, every other workload the
     model with its output head."""
     from tensorpar.planner.runtime import predict_from_inventory
     inv = build_inventory(config_or_path, tp, head=workload != "forward")
-    return predict_from_inventory(inv, batch, seq, bytes_per_elem, workload, new_tokens=new_tokens, backend=backend)
+    return predict_from_inventory(inv, batch, seq, bytes_per_elem, workload, new_tokens=new_tokens,
+                                  candidates=candidates, backend=backend)
