@@ -158,6 +158,149 @@ def test_run_decoder_generates_the_unsplit_tokens(checkpoints):
     assert gen["ledger_bytes_per_rank"] == gen["predicted_bytes_per_rank"]
     _per_module_agrees(out["ledger"])
     assert set(out["ledger"]["per_layer"]) == {"transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"}
+    (row,) = res["rows"]  # one prompt: its row is also the flat keys above
+    assert row["prompt_ids"] == res["prompt_ids"] == [3, 1, 4, 1, 5] and row["tokens"] == res["tokens"]
+    assert row["new_tokens"] == 5 and not row["stopped"] and res["options"]["do_sample"] is False
+
+
+def test_run_samples_a_batch_of_prompts_of_different_lengths(checkpoints):
+    """Three prompts (5, 2 and 3 tokens, left-padded), top-k sampling at tp 2: every row's tokens
+    are the unsplit model's (the same sampler and seed draw the same token from the same logits),
+    and so are the logits of every step; the generation's calls are the planner's for a batch of
+    3 padded to 5 tokens with 5 candidates per rank. Stop token 62 ends the second row after its
+    second token (what this tiny model samples with seed 3); the others run on."""
+    r = tensorpar("run", "--model", str(checkpoints["gpt2"]), "--tp", "2", "--prompt-ids", "3,1,4,1,5",
+                  "--prompt-ids", "9,2", "--prompt-ids", "7,7,7", "--do-sample", "--top-k", "5", "--seed", "3",
+                  "--eos-token-id", "62", "--pad-token-id", "0", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    res = out["result"]
+    assert out["ok"] and out["ledger_matches"] and out["max_rel_diff"] <= 1e-5
+    assert [row["prompt_ids"] for row in res["rows"]] == [[3, 1, 4, 1, 5], [9, 2], [7, 7, 7]]
+    for row in res["rows"]:
+        assert len(row["tokens"]) == 5 and row["tokens"] == row["dense_tokens"] and row["tokens_match"]
+        assert row["decode_max_rel_diff"] <= 1e-5
+    assert [row["new_tokens"] for row in res["rows"]] == [5, 2, 5]
+    assert [row["stopped"] for row in res["rows"]] == [False, True, False]
+    assert res["rows"][1]["tokens"][1:] == [62, 0, 0, 0]  # the stop token, then --pad-token-id
+    assert res["tokens"] == [row["tokens"] for row in res["rows"]]  # several prompts: lists per row
+    assert res["options"] == {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3,
+                              "eos_token_id": [62], "pad_token_id": 0}
+    assert out["ledger"]["collectives"] and out["ledger"]["ledger_bytes_per_rank"] == \
+        out["ledger"]["predicted_bytes_per_rank"]
+    gen = out["ledger"]["generation"]
+    assert gen["compared"] and gen["steps"] == 5
+    assert gen["ledger_bytes_per_rank"] == gen["predicted_bytes_per_rank"]
+    # the same call with one candidate per rank (greedy's exchange) would be less: k = 5 is counted
+    from tensorpar.sharding.inventory import predict_collectives
+    greedy = predict_collectives(checkpoints["gpt2"], 2, 3, 5, 4, "generate", new_tokens=5)
+    assert greedy.bytes_sent_per_rank[0] < gen["predicted_bytes_per_rank"][0]
+
+
+def test_sampling_without_top_k_is_recorded_not_compared(checkpoints):
+    """Sampling without top_k gathers every logit per step, which the planner does not predict:
+    the generation's bytes are reported with the reason and left out of ``ledger_matches`` (the
+    forward's comparison still counts); with top_k the prediction counts k candidates per rank."""
+    from tensorpar.jobs.common import open_checkpoint
+    from tensorpar.jobs.run import RunReport, _generation_ledger
+    from tensorpar.sharding.inventory import predict_collectives
+    ckpt = open_checkpoint(checkpoints["llama"])
+    per_rank = [{"split": {"tokens": [[1, 2, 3], [4, 5, 6]], "generation_bytes_sent": 6800,
+                           "generation_wire_bytes_sent": None}}] * 2
+
+    def ledger(**options):
+        task = {"options": {"do_sample": True, "top_k": None, **options}}
+        return _generation_ledger(ckpt, 2, "float32", "shm", task, per_rank, 2, 4)
+    free = ledger()
+    assert not free["compared"] and free["predicted_bytes_per_rank"] is None and "not predict" in free["note"]
+    top5 = ledger(top_k=5)
+    want = predict_collectives(ckpt.path, 2, 2, 4, 4, "generate", new_tokens=3, candidates=5)
+    assert top5["compared"] and top5["predicted_bytes_per_rank"] == want.bytes_sent_per_rank
+    forward = {"ledger_bytes_per_rank": [10, 10], "predicted_bytes_per_rank": [10, 10]}
+    report = RunReport("m", "p", "llama", 2, "float32", "shm", "generation", 0.0, 0.0, 1e-5, 1, [1, 1], [],
+                       {**forward, "generation": free})
+    assert report.ledger_matches and report.ok
+    report.ledger["generation"] = top5  # 6800 recorded against the prediction: not equal
+    assert not report.ledger_matches and not report.ok
+
+
+# Bad generation options, through the Python API in this process: each a ValueError naming the
+# value and what is valid, before any rank starts (launching one fails the test).
+RUN_API_ERRORS = [
+    (dict(temperature=0), "temperature must be a positive finite number, got 0"),
+    (dict(do_sample=True, top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(do_sample=True, top_k=0), "top_k must be a positive integer or None, got 0"),
+    (dict(seed=-1), "seed must be an integer in [0, 2**63), got -1"),
+    (dict(do_sample="yes"), "do_sample must be True or False, got 'yes'"),
+    (dict(eos_token_id=130), "eos_token_id must be a token id or a list of them, each in [0, 130); got 130"),
+    (dict(eos_token_id=[5, -1]), "each in [0, 130); got [5, -1]"),
+    (dict(pad_token_id=130), "pad_token_id must be a token id in [0, 130), got 130"),
+    (dict(prompt_ids=[]), "prompt token ids must be a non-empty list of integers in [0, 130); invalid: []"),
+    (dict(prompt_ids=[[1, 2], []]), "integers in [0, 130); invalid (prompt 2 of 2): []"),
+    (dict(prompt_ids=[[1, 2], [3, 130]]), "invalid (prompt 2 of 2): [130]"),
+    (dict(prompt_ids=[1, [2]]), "prompt_ids mixes token ids and lists of them"),
+    (dict(prompt_ids=None, prompt=[]), "need at least one prompt, got []"),
+    (dict(prompt_ids=[1, 2], prompt="hi"), "give the prompts as text (--prompt) or as token ids (--prompt-ids), not both"),
+    (dict(prompt_ids=[[1] * 40, [2]], max_new_tokens=30), "the longest prompt plus --max-new-tokens (70 tokens)"),
+    (dict(max_new_tokens=0), "--max-new-tokens must be a positive integer, got 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", RUN_API_ERRORS)
+def test_run_api_refuses_bad_generation_options(checkpoints, monkeypatch, kwargs, message):
+    import re
+
+    from tensorpar import dist
+    from tensorpar.jobs.run import run
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started before the options were checked")
+    monkeypatch.setattr(dist, "launch", no_ranks)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(checkpoints["gpt2"], tp=2, **{"prompt_ids": [1, 2, 3], **kwargs})
+
+
+def test_run_reports_each_row(checkpoints, tmp_path):
+    """The report of a batch from made-up results, in this process: a row that differs from the
+    unsplit model fails the run whichever row it is; a stopped row's count ends at its stop token;
+    texts come from the checkpoint's tokenizer, one per row."""
+    import shutil
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tensorpar.jobs.common import open_checkpoint
+    from tensorpar.jobs.run_generation import generation_result, prompt_rows
+    path = tmp_path / "with_tokenizer"
+    shutil.copytree(checkpoints["gpt2"], path)
+    words = ["<unk>", "tensor", "parallelism", "splits", "a", "model", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    rows = prompt_rows(open_checkpoint(path), ["tensor parallelism splits", "a model"], None)
+    assert rows == [[1, 2, 3], [4, 5]]
+    task = {"prompt_ids": rows, "has_tokenizer": True, "options": {"do_sample": True, "eos_token_id": [6]}}
+    logits = torch.randn(3, 2, 7)  # (steps, B, V)
+
+    def rank0(split, dense):
+        return {"split": {"tokens": split, "step_logits": logits, "generation_collectives": 9},
+                "dense": {"tokens": dense, "step_logits": logits}}
+    same = generation_result(task, rank0([[4, 5, 1], [6, 6, 6]], [[4, 5, 1], [6, 6, 6]]), path)
+    assert same["tokens_match"] and same["decode_max_rel_diff"] == 0.0
+    assert [(r["new_tokens"], r["stopped"]) for r in same["rows"]] == [(3, False), (1, True)]
+    assert same["text"] == ["tensor parallelism splits a model tensor", "a model ."]
+    for row in (0, 1):  # either row differing from the unsplit model's is a failed comparison
+        dense = [[4, 5, 1], [6, 6, 6]]
+        dense[row] = [4, 4, 4]
+        res = generation_result(task, rank0([[4, 5, 1], [6, 6, 6]], dense), path)
+        assert not res["tokens_match"] and res["decode_max_rel_diff"] == float("inf")
+        assert [r["tokens_match"] for r in res["rows"]] == [row != 0, row != 1]
+    other = logits.clone()
+    other[1, 1] += 1.0  # the second row's logits at one step: the tokens equal, the logits not
+    res = generation_result(task, {**rank0([[4, 5, 1], [6, 6, 6]], [[4, 5, 1], [6, 6, 6]]),
+                                   "dense": {"tokens": [[4, 5, 1], [6, 6, 6]], "step_logits": other}}, path)
+    assert res["rows"][0]["decode_max_rel_diff"] == 0.0 < res["rows"][1]["decode_max_rel_diff"]
 
 
 # User errors: one line on stderr, exit code 2, nothing on stdout, before any rank starts. All cases
@@ -192,9 +335,16 @@ RUN_ERRORS = [
     (["run", "--model", "{llama}", "--prompt", "hello"], "has no tokenizer for --prompt"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,99999"], "invalid: [99999]"),
     (["run", "--prompt", "hi"], "--prompt is for decoders"),
+    (["run", "--do-sample", "--top-k", "3"], "--do-sample True, --top-k 3: for decoders;"),
     (["run", "--model", "{llama}", "--sentence", "hi"], "--sentence is for encoders"),
     (["run", "--model", "{broken}"], "config.json is not valid JSON"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--max-new-tokens", "70"], "longer than this model's 64 positions"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--prompt-ids", "3", "--do-sample", "--temperature", "0"],
+     "temperature must be a positive finite number, got 0.0"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--eos-token-id", "5", "--eos-token-id", "6,130"],
+     "eos_token_id must be a token id or a list of them, each in [0, 130); got [5, 6, 130]"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--prompt-ids", ""], "invalid (prompt 2 of 2): []"),
+    (["run", "--model", "{llama}", "--top-k", "five"], "argument --top-k: invalid int value: 'five'"),
     (["run", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
 ]
 

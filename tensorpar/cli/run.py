@@ -13,22 +13,42 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size: ranks to split over (default 2)")
     p.add_argument("--sentence", action="append", metavar="TEXT",
                    help="a sentence to embed (encoders; repeat the option; default: six built-in sentences)")
-    p.add_argument("--prompt", metavar="TEXT", help="decoders: the prompt to continue greedily")
-    p.add_argument("--prompt-ids", metavar="IDS", help="decoders without a tokenizer: comma-separated token ids")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="decoders: a prompt to continue (repeat the option for a batch of prompts)")
+    p.add_argument("--prompt-ids", action="append", metavar="IDS",
+                   help="decoders without a tokenizer: a prompt as comma-separated token ids (repeat the "
+                        "option for a batch; lengths may differ)")
     p.add_argument("--max-new-tokens", type=int, default=16, help="decoders: tokens to generate (default 16)")
+    g = p.add_argument_group("decoders: sampling and stop tokens (generate's options; default greedy)")
+    g.add_argument("--do-sample", action="store_true", help="sample the next token instead of taking the best")
+    g.add_argument("--temperature", type=float, default=1.0, help="divides the logits before sampling (> 0; default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens only (K >= 1)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probability reaches P (0 < P <= 1; default 1)")
+    g.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0): the same tokens every run")
+    g.add_argument("--eos-token-id", action="append", metavar="IDS",
+                   help="a stop token id, or comma-separated ids (repeatable): a row that produces one stops")
+    g.add_argument("--pad-token-id", type=int, default=None,
+                   help="what follows a stopped row's stop token, and the left padding (default: the first stop token)")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16, float16")
     p.add_argument("--backend", default="auto", help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
 
-def _ids(text: str | None):
-    if text is None:
-        return None
+def _ids(text: str, option: str = "--prompt-ids") -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ValueError(f"--prompt-ids {text!r} must be comma-separated integers, e.g. 1,2,3") from None
+        raise ValueError(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3") from None
+
+
+def _prompt_ids(texts: list | None):
+    return None if texts is None else [_ids(t) for t in texts]  # one list of ids per --prompt-ids
+
+
+def _stop_ids(texts: list | None):
+    return None if texts is None else [i for t in texts for i in _ids(t, "--eos-token-id")]
 
 
 def main(args) -> int:
@@ -37,8 +57,10 @@ def main(args) -> int:
 
     with Phases(quiet=args.json) as phase:
         report = run(args.model, tp=args.tp, dtype=args.dtype, backend=args.backend,
-                     sentences=args.sentence, prompt=args.prompt, prompt_ids=_ids(args.prompt_ids),
-                     max_new_tokens=args.max_new_tokens, phase=phase)
+                     sentences=args.sentence, prompt=args.prompt, prompt_ids=_prompt_ids(args.prompt_ids),
+                     max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                     eos_token_id=_stop_ids(args.eos_token_id), pad_token_id=args.pad_token_id, phase=phase)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0 if report.ok else 1
     if args.json:
@@ -73,12 +95,22 @@ def _show(r) -> None:
             t.add_row(f"{row['similarity']:.3f}", row["a"], row["b"])
         con.print(t)
     else:
-        con.print(f"greedy tokens (split): {r.result['tokens']}")
-        con.print(f"greedy tokens (unsplit): {r.result['dense_tokens']}  "
-                  f"-> {'identical' if r.result['tokens_match'] else '[red]DIFFERENT[/]'}")
-        if r.result.get("text"):
-            con.print(f"text: {r.result['text']!r}")
+        _rows(con, r.result)
     _proof(con, r)
+
+
+def _rows(con, result) -> None:
+    """Each prompt's tokens, split and unsplit; how many it produced where a stop token ended it."""
+    how = "sampled" if result["options"]["do_sample"] else "greedy"
+    several = len(result["rows"]) > 1
+    for i, row in enumerate(result["rows"]):
+        where = f"prompt {i + 1} {row['prompt_ids']}: " if several else ""
+        stopped = f" (stopped after {row['new_tokens']})" if row["stopped"] else ""
+        con.print(f"{where}{how} tokens (split): {row['tokens']}{stopped}")
+        con.print(f"{where}{how} tokens (unsplit): {row['dense_tokens']}  "
+                  f"-> {'identical' if row['tokens_match'] else '[red]DIFFERENT[/]'}")
+        if row["text"]:
+            con.print(f"{where}text: {row['text']!r}")
 
 
 def _proof(con, r) -> None:
@@ -105,14 +137,18 @@ def _proof(con, r) -> None:
     _bytes_line(con, "bytes sent per rank", r.ledger)
     gen = r.ledger.get("generation")
     if gen:
-        _bytes_line(con, f"greedy generation, {len(r.result['tokens'])} tokens", gen)
+        how = "sampled" if r.result["options"]["do_sample"] else "greedy"
+        _bytes_line(con, f"{how} generation, {len(r.result['rows'])} x {gen['steps']} tokens", gen)
 
 
 def _bytes_line(con, what: str, part: dict) -> None:
     """The ledger's calls against the planner's (same formula: equal or not), then the wire's bytes."""
     led, pred, wire = part["ledger_bytes_per_rank"], part["predicted_bytes_per_rank"], part["wire_bytes_per_rank"]
-    same = "[green]equal[/]" if led == pred else "[red]DIFFERENT[/]"
-    con.print(f"{what}: recorded calls {led}, planner predicted {pred}: {same}")
+    if not part.get("compared", True):
+        con.print(f"{what}: recorded calls {led}; [yellow]not compared[/]: {part['note']}")
+    else:
+        same = "[green]equal[/]" if led == pred else "[red]DIFFERENT[/]"
+        con.print(f"{what}: recorded calls {led}, planner predicted {pred}: {same}")
     if all(w is not None for w in wire):
         ratio = ", ".join(f"{w / b:.3f}" if b else "-" for w, b in zip(wire, led))
         con.print(f"  on the wire (TCP counters): {wire}, {ratio} x the ring formula "

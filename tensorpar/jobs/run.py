@@ -2,8 +2,9 @@
 
 Per rank: load only this rank's slices (``load_sharded``), run the task under the ledger. Rank 0
 also runs the unsplit model on the same inputs. The report holds the task's result (a sentence
-similarity ranking for encoders, greedy tokens for decoders), the largest difference from the
-unsplit model, the parameters each rank holds, the collectives the ledger recorded beside the
+similarity ranking for encoders; for decoders each prompt's tokens, greedy or sampled, beside the
+unsplit model's: :mod:`tensorpar.jobs.run_generation`), the largest difference from the unsplit
+model, the parameters each rank holds, the collectives the ledger recorded beside the
 planner's prediction for the same run (the same ring formula over the recorded calls: equal means
 the same calls of the same sizes), and the bytes the sockets really carried (gloo).
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from tensorpar import dist
-from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, no_phase,
-                                   nonfinite, open_checkpoint, parse_dtype, quiet_transformers)
+from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, dense_model, is_decoder, no_phase, nonfinite,
+                                   open_checkpoint, parse_dtype, quiet_transformers)
+from tensorpar.jobs.run_generation import (NOT_PREDICTED, generate_rows, generation_result, generation_task,
+                                           has_tokenizer, options_given)
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.",
@@ -27,7 +29,6 @@ DEFAULT_SENTENCES = (
     "Tensor parallelism splits weight matrices across devices.",
     "The model's weights are sharded over several GPUs.",
 )
-DEFAULT_PROMPT = "Tensor parallelism splits a model across"
 
 
 @dataclass
@@ -52,7 +53,9 @@ class RunReport:
 
     @property
     def ledger_matches(self) -> bool:
-        parts = [self.ledger, *([self.ledger["generation"]] if "generation" in self.ledger else [])]
+        """Recorded calls equal to the planner's, wherever it predicts them (see ``NOT_PREDICTED``)."""
+        gen = self.ledger.get("generation")
+        parts = [self.ledger, *([gen] if gen is not None and gen["compared"] else [])]
         return all(p["ledger_bytes_per_rank"] == p["predicted_bytes_per_rank"] for p in parts)
 
     @property
@@ -66,10 +69,16 @@ class RunReport:
 
 
 def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "auto",
-        sentences=None, prompt: str | None = None, prompt_ids=None, max_new_tokens: int = 16,
-        phase=no_phase) -> RunReport:
+        sentences=None, prompt=None, prompt_ids=None, max_new_tokens: int = 16,
+        do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+        seed: int = 0, eos_token_id=None, pad_token_id: int | None = None, phase=no_phase) -> RunReport:
     """Shard ``model_dir`` (default: the packaged all-MiniLM-L6-v2) over ``tp`` local ranks.
-    ``phase(text)``: a context manager around each phase (the CLI shows them with their time)."""
+
+    Encoders embed ``sentences``. Decoders continue ``prompt`` (a text or a list of texts) or
+    ``prompt_ids`` (a list of token ids or a list of such lists, of any lengths), with
+    :func:`tensorpar.models.generation.generate`'s options under its names, checked here before
+    any rank starts (``ValueError`` naming the value). ``phase(text)``: a context manager around
+    each phase (the CLI shows them with their time)."""
     from tensorpar.models.minilm import minilm_path
 
     with phase("checking the checkpoint (headers, sizes, tp)"):
@@ -77,7 +86,9 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
         name = "all-MiniLM-L6-v2" if model_dir is None else ckpt.path.name
         parse_dtype(dtype)
         fixes = check_tp(ckpt, tp)
-        task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens)
+        options = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                   "seed": seed, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options)
         backend = dist.resolve_backend(backend, tp)
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}
     with phase(f"{tp} ranks: shards, {task['task']}; rank 0: unsplit model"):
@@ -85,12 +96,15 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
     return _report(name, ckpt, tp, dtype, per_rank[0]["transport"], fixes, per_rank, task)
 
 
-def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
+def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options) -> dict:
     if not is_decoder(ckpt):
         if prompt is not None or prompt_ids is not None:
             raise ValueError(f"--prompt is for decoders; {ckpt.path} is a {ckpt.family} encoder "
                              f"(it embeds --sentence TEXT instead)")
-        if not _has_tokenizer(ckpt.path):
+        if options_given(options):
+            raise ValueError(f"{', '.join(options_given(options))}: for decoders; {ckpt.path} is a "
+                             f"{ckpt.family} encoder (it embeds --sentence TEXT instead)")
+        if not has_tokenizer(ckpt.path):
             raise ValueError(f"{ckpt.path} has no tokenizer: an encoder needs one to embed sentences")
         sentences = list(sentences or DEFAULT_SENTENCES)
         if len(sentences) < 2 or not all(isinstance(s, str) and s.strip() for s in sentences):
@@ -99,35 +113,7 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens) -> dict:
     if sentences:
         raise ValueError(f"--sentence is for encoders; {ckpt.path.name} is a {ckpt.family} decoder "
                          f"(it continues --prompt TEXT or --prompt-ids instead)")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
-    ids = _prompt_ids(ckpt, prompt, prompt_ids)
-    check_length(ckpt, len(ids) + max_new_tokens, "the prompt plus --max-new-tokens")
-    return {"task": "generation", "prompt_ids": ids, "max_new_tokens": max_new_tokens,
-            "has_tokenizer": _has_tokenizer(ckpt.path)}
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
-
-
-def _prompt_ids(ckpt, prompt, prompt_ids) -> list[int]:
-    vocab = ckpt.config.get("vocab_size")
-    if prompt_ids is None and prompt is None and _has_tokenizer(ckpt.path):
-        prompt = DEFAULT_PROMPT
-    if prompt_ids is not None:
-        ids = list(prompt_ids)
-    elif prompt is not None:
-        if not _has_tokenizer(ckpt.path):
-            raise ValueError(f"{ckpt.path} has no tokenizer for --prompt; give token ids with --prompt-ids 1,2,3")
-        from transformers import AutoTokenizer
-        ids = AutoTokenizer.from_pretrained(ckpt.path)(prompt)["input_ids"]
-    else:
-        ids = list(range(1, 9))  # no tokenizer and no prompt: fixed ids
-    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-    if not ids or bad:
-        raise ValueError(f"prompt token ids must be a non-empty list of integers in [0, {vocab}); invalid: {bad or ids}")
-    return ids
+    return generation_task(ckpt, prompt, prompt_ids, max_new_tokens, options)
 
 
 # ---- on every rank ---------------------------------------------------------------------------
@@ -139,7 +125,7 @@ def run_worker(spec: dict) -> dict:
     dtype = DTYPES[spec["dtype"]]
     model, load = load_sharded(spec["path"], dtype=dtype)
     model.eval()
-    task = _encode if spec["task"] == "sentence-embedding" else _generate
+    task = _encode if spec["task"] == "sentence-embedding" else generate_rows
     with dist.ledger(model=model, wire=True) as led:
         split = task(model, spec)
     out = {"rank": dist.get_rank(), "load": load.to_dict(), "params_total": model.tp_report.params_total,
@@ -163,27 +149,6 @@ def _encode(model, spec) -> dict:
     emb = sentence_embeddings(model.base_model, tok, spec["sentences"])  # (N, H), unit rows
     n_tokens = tok(spec["sentences"], padding=True, truncation=True, return_tensors="pt")["input_ids"].shape
     return {"output": emb, "input_shape": list(n_tokens)}
-
-
-@torch.no_grad()
-def _generate(model, spec) -> dict:
-    from tensorpar.models.generation import generate
-
-    ids = torch.tensor([spec["prompt_ids"]], dtype=torch.long)  # (1, T)
-    logits = model(input_ids=ids, use_cache=False).logits  # (1, T, V): the compared forward
-    # Generation's own collectives (one forward per token, each rank's best candidate exchanged)
-    # go to a ledger of their own, apart from the forward that is compared with the planner. The
-    # logits each step chose from are gathered for the comparison in a second run, off the record.
-    with dist.ledger(wire=True) as gen:
-        tokens = generate(model, ids, spec["max_new_tokens"])
-    with dist.ledger():  # a ledger of its own: the gathers made for the comparison are not the run's
-        again, steps = generate(model, ids, spec["max_new_tokens"], return_logits=True)
-    if not torch.equal(again, tokens):
-        raise RuntimeError("generate chose other tokens when asked for its logits: it is not deterministic")
-    return {"output": logits, "tokens": tokens[0, ids.shape[1]:].tolist(), "input_shape": list(ids.shape),
-            "step_logits": torch.stack(steps),  # (n, 1, V): what each greedy step chose from
-            "generation_bytes_sent": gen.total_bytes_sent(), "generation_wire_bytes_sent": gen.wire_bytes_sent(),
-            "generation_collectives": len(gen.records)}
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -222,16 +187,27 @@ def _report(name, ckpt, tp, dtype, backend, fixes, per_rank, task) -> RunReport:
               "per_layer": per_layer(rank0["records"]),
               "predicted_per_module": _predicted_per_module(predicted)}
     if task["task"] == "generation":
-        gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, task["max_new_tokens"])
-        ledger["generation"] = {"ledger_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
-                                "wire_bytes_per_rank": [r["split"]["generation_wire_bytes_sent"] for r in per_rank],
-                                "predicted_bytes_per_rank": gen.bytes_sent_per_rank}
+        ledger["generation"] = _generation_ledger(ckpt, tp, dtype, backend, task, per_rank, batch, seq)
     return RunReport(model=name, model_path=str(ckpt.path), family=ckpt.family, tp=tp, dtype=dtype, backend=backend,
                      task=task["task"], max_abs_diff=diff, max_rel_diff=diff / scale,
                      tolerance_rel=TOLERANCE[DTYPES[dtype]], params_total=rank0["params_total"],
                      params_per_rank=[r["params"] for r in per_rank], fixes=fixes, ledger=ledger,
                      result=_result(task, rank0, ckpt.path), load=[r["load"] for r in per_rank],
                      nonfinite=rank0["nonfinite"])
+
+
+def _generation_ledger(ckpt, tp, dtype, backend, task, per_rank, batch, seq) -> dict:
+    """The generation's recorded calls beside the planner's ``generate`` of ``batch`` prompts
+    padded to ``seq`` tokens, for the steps that ran (fewer than asked once every row stopped)."""
+    steps = len(per_rank[0]["split"]["tokens"][0])
+    out = {"ledger_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
+           "wire_bytes_per_rank": [r["split"]["generation_wire_bytes_sent"] for r in per_rank], "steps": steps}
+    opts = task["options"]
+    if opts["do_sample"] and opts["top_k"] is None and tp > 1:
+        return {**out, "predicted_bytes_per_rank": None, "compared": False, "note": NOT_PREDICTED}
+    candidates = opts["top_k"] if opts["do_sample"] else 1
+    gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, steps, candidates)
+    return {**out, "predicted_bytes_per_rank": gen.bytes_sent_per_rank, "compared": True}
 
 
 def _predicted_per_module(predicted) -> dict:
@@ -253,36 +229,14 @@ def _result(task, rank0, path) -> dict:
         return {"sentences": task["sentences"],
                 "ranking": [{"a": task["sentences"][i], "b": task["sentences"][j], "similarity": s}
                             for s, i, j in pairs]}
-    split, dense = rank0["split"]["tokens"], rank0["dense"]["tokens"]
-    return {"prompt_ids": task["prompt_ids"], "tokens": split, "dense_tokens": dense,
-            "tokens_match": split == dense, "decode_max_rel_diff": _steps_rel(rank0),
-            "text": _decode(path, task, split),
-            "generation_collectives": rank0["split"]["generation_collectives"]}
+    return generation_result(task, rank0, path)
 
 
-def _steps_rel(rank0) -> float:
-    """Worst relative difference of the logits over every decoding step (a tiny random model may
-    repeat one token whatever its cache holds: equal tokens alone prove little). Infinite where
-    the tokens differ: later steps then decode different inputs."""
-    if rank0["split"]["tokens"] != rank0["dense"]["tokens"]:
-        return float("inf")
-    s, d = rank0["split"]["step_logits"].double(), rank0["dense"]["step_logits"].double()
-    return max(((a - b).abs().max() / (b.abs().max() or 1.0)).item() for a, b in zip(s, d))
-
-
-def _decode(path, task, tokens) -> str | None:
-    """The prompt and its continuation as text, when the checkpoint has a tokenizer."""
-    if not task["has_tokenizer"]:
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path).decode(task["prompt_ids"] + tokens)
-
-
-def _predict(ckpt, tp, dtype, batch, seq, workload, backend, new_tokens=1):
+def _predict(ckpt, tp, dtype, batch, seq, workload, backend, new_tokens=1, candidates=1):
     """The planner's prediction of every collective each rank issues in this run, from the
     inventory of the checkpoint's architecture (its plan resolved on the meta device)."""
     from tensorpar.sharding.inventory import predict_collectives
 
     elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     return predict_collectives(ckpt.path, tp, batch, seq, elem, workload, new_tokens=new_tokens,
-                               backend=backend)
+                               candidates=candidates, backend=backend)
