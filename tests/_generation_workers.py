@@ -22,6 +22,9 @@ SAMPLERS = {
     "temperature": {"do_sample": True, "temperature": 0.7, "seed": 11},
     "top_k+top_p": {"do_sample": True, "top_k": 5, "top_p": 0.8, "seed": 12},
     "top_p": {"do_sample": True, "top_p": 0.6, "seed": 13},
+    # more than a shard's columns at tp 4 (130 tokens: 33 a rank, 2 of the last rank's past the
+    # vocabulary): padding columns among the candidates
+    "top_k wider than a shard": {"do_sample": True, "top_k": 40, "seed": 14},
 }
 
 

@@ -274,6 +274,7 @@ def test_generate_and_clip_bad_input():
         ((ids, 2), {"do_sample": True, "seed": -1}, r"seed must be an integer in \[0, 2\*\*63\), got -1"),
         ((ids, 2), {"do_sample": "yes"}, "do_sample must be True or False"),
         ((ids, 2), {"eos_token_id": [1, 10_000]}, "eos_token_id must be a token id or a list of them"),
+        ((ids, 2), {"pad_token_id": -1}, r"pad_token_id must be a token id in \[0, "),
     ]
     for args, kwargs, message in bad:
         with pytest.raises(ValueError, match=message):

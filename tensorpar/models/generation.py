@@ -49,6 +49,9 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     """
     vocab = _vocab_size(model)
     stops = _stop_ids(eos_token_id, vocab)
+    if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)
+                                     or not 0 <= pad_token_id < vocab):
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     ids, mask = prompts(input_ids, attention_mask, pad, vocab)
     _check_count(max_new_tokens)

@@ -83,7 +83,9 @@ def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: 
         scores = _nucleus(scores, sampler.top_p)
     gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
     uniform = torch.rand(values.shape[0], vocab_size, generator=gen, dtype=torch.float64)  # (B, V)
-    gumbel = -torch.log(-torch.log(uniform.gather(1, indices)))  # (B, M), at the candidates' indices
+    # a shard's padding columns past the vocabulary are candidates at -inf: never chosen, noise at any index
+    at = indices.clamp(max=vocab_size - 1)
+    gumbel = -torch.log(-torch.log(uniform.gather(1, at)))  # (B, M), at the candidates' indices
     return _best(scores + gumbel, indices)
 
 
