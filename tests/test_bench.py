@@ -95,6 +95,27 @@ def test_models_bench_rows_per_model_and_a_failed_hf_tp_is_a_row(tmp_path):
     assert (tmp_path / "models.png").stat().st_size > 0
 
 
+def test_decode_bench_rows_time_every_variant_on_the_same_tokens():
+    from tensorpar.bench.decode import QUICK, run_decode_bench
+
+    rows = run_decode_bench(3, **QUICK)
+    assert [r["batch"] for r in rows] == list(QUICK["batches"])
+    for r in rows:
+        assert set(r["per_token_s"]) == {"shm", "gloo", "hf_tp", "dense_2t"}
+        assert all(len(v) == 3 for v in r["samples_per_token_s"].values())
+        assert r["same_tokens_as_dense"] == {"shm": True, "gloo": True, "hf_tp": True}
+        per_round = sorted(a / b for a, b in zip(r["samples_per_token_s"]["shm"], r["samples_per_token_s"]["hf_tp"]))
+        assert r["shm_vs_hf_tp"] == pytest.approx(per_round[1], rel=1e-12)
+        assert 0 < r["planner_bound_s"]
+        for name in ("shm", "gloo"):
+            c = r[f"{name}_collectives"]
+            # per decode token: one all-reduce per attention and per MLP block (2 layers), one for the
+            # embedding, one all-gather of the next token's candidates (16 bytes per row and rank)
+            assert c["collectives_per_token"] == 2 * 2 + 1 + 1, c
+            assert c["collective_s_per_token"] > 0 and 0 < c["share_in_collectives"]
+        assert r["hardware"]["hbm_bytes_per_s"] > 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["--suite", "gpu"], "--suite 'gpu': unknown ['gpu']; valid: mlp, models"),
     (["--repeats", "1"], "--repeats 1: need at least 3 rounds for a median"),

@@ -62,7 +62,7 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
         from tensorpar.sharding.audit import check_same_inputs
         check_same_inputs(group, input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                           sampler=repr(sampler), stops=repr((stops, pad)))
-    step = _Stepper(model, group)
+    step = _Stepper(model, group, padded=bool((mask == 0).any()))
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (B, T): real tokens counted
     new, new_pos, cache = ids, positions, None
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
@@ -141,8 +141,8 @@ def _vocab_size(model) -> int:
 class _Stepper:
     """One forward of a generation step: ``(candidates, full logits or None, cache)``."""
 
-    def __init__(self, model, group):
-        self.model, self.group = model, group
+    def __init__(self, model, group, padded: bool):
+        self.model, self.group, self.padded = model, group, padded
         params = inspect.signature(type(model).forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
@@ -152,11 +152,13 @@ class _Stepper:
         self.head = head if sharded else None  # as causal_lm_loss and the planner's inventory decide
 
     def __call__(self, new, mask, positions, cache, k, vocab, want_full):
-        kwargs = {self.cache_kwarg: cache, "attention_mask": mask, "use_cache": True}
+        kwargs = {self.cache_kwarg: cache, "use_cache": True}
         if self.keep:
             kwargs[self.keep] = 1
-        if self.positions:
-            kwargs["position_ids"] = positions
+        if self.padded:  # without padding the model's own causal mask and positions are the same, and cheaper
+            kwargs["attention_mask"] = mask
+            if self.positions:
+                kwargs["position_ids"] = positions
         with _vocab_shards(self.head):
             out = self.model(input_ids=new, **kwargs)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
