@@ -56,6 +56,10 @@ def _compare(dense, split) -> dict:
                      "logits_err": max((a - b).abs().max().item() for a, b in zip(split_logits, dense_logits)),
                      "dense_logits": [s.tolist() for s in dense_logits],
                      "ops": sorted({(rec.op, rec.module) for rec in led.records if rec.module in ("", "next_token")})}
+    width = max(len(p) for p in PROMPTS)  # the same batch as input_ids + attention_mask, padded with 7
+    ids = torch.tensor([[7] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    res["tensor_and_mask"] = generate(split, ids, NEW, attention_mask=mask)[:, -NEW:].tolist()
     res["hf_rows"] = [_hf_greedy(dense, [p]) for p in PROMPTS]  # each row alone, by transformers
     res["hf_batch"] = _hf_greedy(dense, PROMPTS)  # left-padded, by transformers
     return res

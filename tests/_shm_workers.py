@@ -43,7 +43,12 @@ def exactness_worker(groups):
             return [f"group {ranks} runs over {shm.transport(shm_group)}"], 0
         me, p = ranks.index(r), len(ranks)
         for seed, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
-            checked += _check_group(shm_group, gloo_group, me, p, dtype, n, seed, failures, ranks)
+            before = shm_group.segment.round
+            calls = _check_group(shm_group, gloo_group, me, p, dtype, n, seed, failures, ranks)
+            if shm_group.segment.round - before < calls:  # each call at least one round: none went to gloo
+                failures.append(f"group {ranks} {dtype} n={n}: {calls} calls took "
+                                f"{shm_group.segment.round - before} shared-memory rounds")
+            checked += calls
     return failures, checked
 
 
@@ -91,7 +96,7 @@ def _check_group(shm_group, gloo_group, me, p, dtype, n, seed, failures, ranks):
         tdist.broadcast(b, group_src=src, group=shm_group)
         if not torch.equal(b, everyone[src]):
             failures.append(f"{name}: broadcast from {src}")
-    return checks + 3 + p
+    return checks + 2 + (1 if n * p < 4_000_000 else 0) + p
 
 
 # u of each dtype: recursive summation of p terms in any order is within (p-1) u sum|x_i| of the
@@ -153,19 +158,38 @@ def peer_timeout_worker():
 
 def mismatch_worker():
     """Ranks in collectives of different sizes with the rank-side signature check off: the
-    transport itself refuses to read a peer's bytes; the group then stays failed. Then, on a
-    fresh group, collectives of different kinds."""
+    transport itself refuses to read a peer's bytes; the group then stays failed. Then, on fresh
+    groups, collectives of different kinds, and sizes that differ only past the first slot."""
     from tensorpar.dist import flight
     flight.check_collectives(False)
     r, messages = tdist.get_rank(), []
-    fresh = tdist.new_group([0, 1])
+    fresh, third = tdist.new_group([0, 1]), tdist.new_group([0, 1])
     for call in (lambda: tdist.all_reduce(torch.ones(4 if r == 0 else 6)),
                  lambda: tdist.all_reduce(torch.ones(4)),
                  lambda: tdist.all_reduce(torch.ones(4), group=fresh) if r == 0
-                 else tdist.broadcast(torch.ones(4), src=0, group=fresh)):
+                 else tdist.broadcast(torch.ones(4), src=0, group=fresh),
+                 # 300 000 floats (2 slots) against 262 144 (exactly one): the first pieces are alike
+                 lambda: tdist.all_reduce(torch.ones(300_000 if r == 0 else 262_144), group=third)):
         try:
             call()
             messages.append("not detected")
         except (flight.CollectiveMismatchError, seg.ShmPeerError) as exc:
             messages.append(str(exc))
     return messages
+
+
+def bad_sizes_worker():
+    """Outputs of the wrong size or dtype: ValueError before any round, and the group still works."""
+    group = tdist.new_group([0, 1])
+    errors = []
+    for call in (lambda: tdist.all_gather_single(torch.empty(10), torch.ones(4), group=group),
+                 lambda: tdist.all_gather_single(torch.empty(8, dtype=torch.float64), torch.ones(4), group=group),
+                 lambda: tdist.reduce_scatter_single(torch.empty(3), torch.ones(8), group=group)):
+        try:
+            call()
+            errors.append("accepted")
+        except ValueError as exc:
+            errors.append(str(exc))
+    x = torch.ones(3)
+    tdist.all_reduce(x, group=group)
+    return errors, x.tolist()

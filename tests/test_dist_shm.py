@@ -93,10 +93,18 @@ def test_a_dead_creators_segment_is_swept():
 
 
 def test_collectives_of_other_sizes_are_named_not_read():
-    for rank, (sizes, after, kinds) in enumerate(dist.launch(W.mismatch_worker, 2, deadline=60)):
+    for rank, (sizes, after, kinds, past_a_slot) in enumerate(dist.launch(W.mismatch_worker, 2, deadline=60)):
         other = 1 - rank
         assert f"ranks {rank} and {other} of a shared-memory group issued different collectives" in sizes, sizes
         mine, theirs = (16, 24) if rank == 0 else (24, 16)
-        assert f"rank {rank} all_reduce of {mine} B" in sizes and f"rank {other} all_reduce of {theirs} B" in sizes
+        assert f"rank {rank} all_reduce (sum) of {mine} B" in sizes, sizes
+        assert f"rank {other} all_reduce (sum) of {theirs} B" in sizes, sizes
         assert "this shared-memory group failed earlier" in after and "cannot be used again" in after, after
-        assert "all_reduce of 16 B" in kinds and "broadcast of 16 B" in kinds, kinds
+        assert "all_reduce (sum) of 16 B" in kinds and "broadcast from rank 0 of 16 B" in kinds, kinds
+        assert "all_reduce (sum) of 1200000 B" in past_a_slot and "of 1048576 B" in past_a_slot, past_a_slot
+
+
+def test_outputs_of_the_wrong_size_are_refused_before_any_round():
+    for errors, value in dist.launch(W.bad_sizes_worker, 2, deadline=60):
+        assert all("the larger must hold 2 x the smaller, in the same dtype" in e for e in errors), errors
+        assert value == [2.0, 2.0, 2.0]

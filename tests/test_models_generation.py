@@ -35,6 +35,7 @@ def test_every_row_and_every_step_equal_the_unsplit_model(arch, tp):
         greedy = case["greedy"]["tokens"]
         assert greedy == case["hf_batch"], ("left-padded batch differs from transformers", greedy, case["hf_batch"])
         assert greedy == [row[0] for row in case["hf_rows"]], "a row differs from the same prompt alone"
+        assert case["tensor_and_mask"] == greedy, "input_ids with attention_mask differ from the lists"
 
 
 def test_the_cases_have_power():

@@ -266,6 +266,7 @@ def test_generate_and_clip_bad_input():
         ((ids, -1), {}, "max_new_tokens must be a non-negative integer, got -1"),
         ((ids, 2), {"attention_mask": torch.ones(1, 4)}, "attention_mask must be a tensor of input_ids' shape"),
         ((ids, 2), {"attention_mask": torch.tensor([[1, 0, 1]])}, "attention_mask must be left padding"),
+        ((ids, 2), {"attention_mask": torch.tensor([[0.5, 1.0, 1.0]])}, "attention_mask must hold 0 and 1 only"),
         ((ids, 2), {"attention_mask": torch.tensor([[1, 1, 0]])}, "attention_mask must be left padding"),
         (([[1, 2]], 2), {"attention_mask": torch.ones(1, 2)}, "attention_mask goes with an input_ids tensor"),
         ((ids, 2), {"do_sample": True, "temperature": 0}, "temperature must be a positive finite number, got 0"),

@@ -39,6 +39,7 @@ import torch.distributed as tdist
 
 from tensorpar.dist import flight
 from tensorpar.dist.reaper import Reaper
+from tensorpar.dist.shm_segment import sweep_stale
 from tensorpar.dist.rendezvous import (_LEFTOVER, _RDZV_PREFIX, _env_int, _init_group, _sweep_stale_rendezvous,
                                        init_from_env, resolve_backend, under_torchrun)
 
@@ -105,6 +106,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
             return _collect(procs, results, deadline, slots)
         finally:
             _stop_all(procs)
+            sweep_stale()  # a segment a rank made and died before unlinking
             reaper.done()
             results.close()
 

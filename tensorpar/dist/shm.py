@@ -45,6 +45,7 @@ SLOT_BYTES = int(os.environ.get("TENSORPAR_SHM_SLOT_BYTES", str(1 << 20)))
 _REDUCE = {tdist.ReduceOp.SUM: torch.Tensor.add_, tdist.ReduceOp.PRODUCT: torch.Tensor.mul_,
            tdist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
            tdist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a)}
+_KIND = {op: i for i, op in enumerate(_REDUCE)}  # compared across ranks with each round's signature
 _BY_NAME = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 # Everything else goes to the gloo group each ShmProcessGroup keeps.
 _TO_GLOO = {name: name for name in ("send", "recv", "recv_anysource", "gather", "scatter", "reduce", "alltoall",
@@ -78,18 +79,19 @@ class ShmProcessGroup(tdist.ProcessGroup):
         op = _op(opts)
         if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or op not in _REDUCE:
             return self._gloo.allreduce(tensors, opts) if opts is not None else self._gloo.allreduce(tensors)
-        _allreduce(self.segment, tensors[0], _REDUCE[op])
+        _allreduce(self.segment, tensors[0], op)
         return _done(tensors)
 
     def all_gather_single(self, output, input, opts=None):
-        if self.segment is None or not _cpu([output, input]):
+        if self.segment is None or not _cpu([output, input]) or not _contiguous([output, input]):
             return self._gloo._allgather_base(output, input, *(() if opts is None else (opts,)))
         all_gather_single(self.segment, output, input)
         return _done([output])
 
     def allgather(self, output_lists, inputs, opts=None):
         if (self.segment is None or len(inputs) != 1 or not _cpu(inputs + output_lists[0])
-                or any(o.numel() != inputs[0].numel() for o in output_lists[0])):
+                or not _contiguous(inputs) or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
+                                                  for o in output_lists[0])):
             return self._gloo.allgather(output_lists, inputs, *(() if opts is None else (opts,)))
         outs = [o if o.is_contiguous() else torch.empty_like(o) for o in output_lists[0]]
         _allgather(self.segment, _bytes(inputs[0]), [_bytes(o) for o in outs])
@@ -100,22 +102,24 @@ class ShmProcessGroup(tdist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = _op(opts)
-        if self.segment is None or not _cpu([output, input]) or op not in _REDUCE:
+        if self.segment is None or not _cpu([output, input]) or not _contiguous([output]) or op not in _REDUCE:
             return self._gloo._reduce_scatter_base(output, input, *(() if opts is None else (opts,)))
-        _reduce_scatter(self.segment, input.reshape(self.size(), -1), output, _REDUCE[op])
+        _check_sizes("reduce_scatter", input, output, self.size())
+        _reduce_scatter(self.segment, input.reshape(self.size(), -1), output, op)
         return _done([output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = _op(opts)
         if (self.segment is None or len(outputs) != 1 or not _cpu(outputs + input_lists[0]) or op not in _REDUCE
-                or any(i.numel() != outputs[0].numel() for i in input_lists[0])):
+                or not _contiguous(outputs) or any(i.numel() != outputs[0].numel() or i.dtype != outputs[0].dtype
+                                                   for i in input_lists[0])):
             return self._gloo.reduce_scatter(outputs, input_lists, *(() if opts is None else (opts,)))
         stacked = torch.stack([i.reshape(-1) for i in input_lists[0]])  # (p, n)
-        _reduce_scatter(self.segment, stacked, outputs[0], _REDUCE[op])
+        _reduce_scatter(self.segment, stacked, outputs[0], op)
         return _done(outputs)
 
     def broadcast(self, tensors, opts=None):
-        if self.segment is None or len(tensors) != 1 or not _cpu(tensors):
+        if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or not _contiguous(tensors):
             return self._gloo.broadcast(tensors, *(() if opts is None else (opts,)))
         _broadcast(self.segment, tensors[0], opts.rootRank if opts is not None else 0)
         return _done(tensors)
@@ -123,9 +127,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
     def barrier(self, opts=None):
         if self.segment is None:
             return self._gloo.barrier(*(() if opts is None else (opts,)))
-        g = self.segment.begin()
-        self.segment.arrive(g)
-        self.segment.depart(g)
+        _barrier(self.segment)
         return _done(None)
 
     _allgather_base = all_gather_single  # the names older callers use
@@ -141,6 +143,38 @@ def _forward_to_gloo(name, gloo_name):
 
 for _name, _gloo_name in _TO_GLOO.items():
     setattr(ShmProcessGroup, _name, _forward_to_gloo(_name, _gloo_name))
+
+
+def _check_sizes(what: str, big: torch.Tensor, small: torch.Tensor, p: int) -> None:
+    """Before any round: ``big`` holds ``p`` times ``small``'s elements, in the same dtype."""
+    if big.numel() != p * small.numel() or big.dtype != small.dtype:
+        raise ValueError(f"{what} over a group of {p}: tensors of {big.numel()} {big.dtype} and {small.numel()} "
+                         f"{small.dtype} elements; the larger must hold {p} x the smaller, in the same dtype")
+
+
+def _contiguous(tensors) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _guarded(fn):
+    """A collective that raises once its rounds have begun leaves the ranks out of step: the
+    group is marked failed (as a failed communicator stays failed) instead of reading stale slots."""
+    def run(s: seg.Segment, *args):
+        try:
+            return fn(s, *args)
+        except BaseException as exc:
+            if not s.broken:
+                s.broken = f"a collective raised on rank {s.rank} midway: {type(exc).__name__}: {exc}"
+            raise
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
+@_guarded
+def _barrier(s: seg.Segment) -> None:
+    g = s.begin()
+    s.arrive(g)
+    s.depart(g)
 
 
 def _op(opts):
@@ -164,13 +198,16 @@ def _pieces(n: int, per: int):
     return [(a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
 
-def _allreduce(s: seg.Segment, x: torch.Tensor, combine) -> None:
+@_guarded
+def _allreduce(s: seg.Segment, x: torch.Tensor, op) -> None:
+    """In place, ``op`` a ``RedOpType``: every rank combines the slots in rank order."""
+    combine, kind = _REDUCE[op], _KIND[op]
     flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
     views, size = s.typed(flat.dtype), flat.element_size()
     for a, b in _pieces(flat.numel(), views[0].numel()):
         g = s.begin()
         views[s.rank][: b - a].copy_(flat[a:b])
-        s.arrive(g, 1, (b - a) * size)
+        s.arrive(g, 1, flat.numel() * size, kind)
         out = flat[a:b]
         out.copy_(views[0][: b - a])
         for r in range(1, s.size):  # rank order on every rank: the same bits everywhere
@@ -180,19 +217,22 @@ def _allreduce(s: seg.Segment, x: torch.Tensor, combine) -> None:
         x.copy_(flat.view_as(x))
 
 
+@_guarded
 def _allgather(s: seg.Segment, mine: torch.Tensor, outs: list) -> None:
     """``mine``: this rank's bytes; ``outs[r]``: where rank r's bytes go."""
     for a, b in _pieces(mine.numel(), s.slot_bytes):
         g = s.begin()
         s.slots[s.rank][: b - a].copy_(mine[a:b])
-        s.arrive(g, 2, b - a)
+        s.arrive(g, 2, mine.numel())
         for r, out in enumerate(outs):
             out[a:b].copy_(s.slots[r][: b - a])
         s.depart(g)
 
 
-def _reduce_scatter(s: seg.Segment, rows: torch.Tensor, out: torch.Tensor, combine) -> None:
+@_guarded
+def _reduce_scatter(s: seg.Segment, rows: torch.Tensor, out: torch.Tensor, op) -> None:
     """``rows``: (p, n), row j destined for rank j; ``out`` (n elements) gets the combined own row."""
+    combine, kind = _REDUCE[op], _KIND[op]
     p, n = rows.shape
     flat_out = out.view(-1)
     size = rows.element_size()
@@ -201,7 +241,7 @@ def _reduce_scatter(s: seg.Segment, rows: torch.Tensor, out: torch.Tensor, combi
         w = b - a
         g = s.begin()
         s.slots[s.rank][: p * w * size].view(rows.dtype).view(p, w).copy_(rows[:, a:b])
-        s.arrive(g, 3, p * w * size)
+        s.arrive(g, 3, p * n * size, kind)
         own = [s.slots[r][: p * w * size].view(rows.dtype).view(p, w)[s.rank] for r in range(p)]  # (w,) each
         flat_out[a:b].copy_(own[0])
         for r in range(1, p):
@@ -209,13 +249,14 @@ def _reduce_scatter(s: seg.Segment, rows: torch.Tensor, out: torch.Tensor, combi
         s.depart(g)
 
 
+@_guarded
 def _broadcast(s: seg.Segment, x: torch.Tensor, root: int) -> None:
     data = _bytes(x)
     for a, b in _pieces(data.numel(), s.slot_bytes):
         g = s.begin()
         if s.rank == root:
             s.slots[root][: b - a].copy_(data[a:b])
-        s.arrive(g, 4, b - a)
+        s.arrive(g, 4, data.numel(), root)
         if s.rank != root:
             data[a:b].copy_(s.slots[root][: b - a])
         s.depart(g)
@@ -232,10 +273,12 @@ def _attach(store, rank: int, size: int, timeout) -> "tuple[seg.Segment | None, 
     if why is not None:
         return None, why
     segment = _map_segment(store, rank, size)
-    store.set(f"tpshm/mapped{rank}", "ok" if segment is not None else "failed")
-    ok = all(store.get(f"tpshm/mapped{r}") == b"ok" for r in range(size))
-    if rank == 0 and segment is not None:
-        os.unlink(segment.path)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
+    try:
+        store.set(f"tpshm/mapped{rank}", "ok" if segment is not None else "failed")
+        ok = all(store.get(f"tpshm/mapped{r}") == b"ok" for r in range(size))
+    finally:
+        if rank == 0 and segment is not None:
+            os.unlink(segment.path)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
     if not ok:
         return None, "a rank could not map the shared segment"
     segment.peer_pids = [p["pid"] for p in peers]
@@ -288,17 +331,19 @@ def segment_of(group, tensor: torch.Tensor) -> "seg.Segment | None":
 
 def all_reduce(segment: "seg.Segment", x: torch.Tensor, op: str) -> None:
     """In place, ``op`` one of ``"sum"``, ``"max"``, ``"min"``."""
-    _allreduce(segment, x, _REDUCE[_BY_NAME[op]])
+    _allreduce(segment, x, _BY_NAME[op])
 
 
 def all_gather_single(segment: "seg.Segment", out: torch.Tensor, x: torch.Tensor) -> None:
     """``out``: every rank's ``x`` concatenated along dim 0 (contiguous)."""
+    _check_sizes("all_gather", out, x, segment.size)
     _allgather(segment, _bytes(x), [_bytes(o) for o in out.view(segment.size, -1)])
 
 
 def reduce_scatter_single(segment: "seg.Segment", out: torch.Tensor, x: torch.Tensor) -> None:
     """``out``: the sum over ranks of this rank's chunk of ``x`` (dim 0 split in group-size chunks)."""
-    _reduce_scatter(segment, x.reshape(segment.size, -1), out, _REDUCE[tdist.ReduceOp.SUM])
+    _check_sizes("reduce_scatter", x, out, segment.size)
+    _reduce_scatter(segment, x.reshape(segment.size, -1), out, tdist.ReduceOp.SUM)
 
 
 def broadcast(segment: "seg.Segment", x: torch.Tensor, root: int) -> None:

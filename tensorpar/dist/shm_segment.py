@@ -22,8 +22,8 @@ The file is created ``0600`` (readable by its owner only) under ``/dev/shm`` wit
 pid in its name, its pages reserved with ``posix_fallocate`` (a full ``/dev/shm`` is an error at
 creation, not a SIGBUS later), and unlinked by the creator as soon as every rank has mapped it:
 from then on nothing is left in ``/dev/shm`` whatever happens to the ranks. A segment whose
-creator died before that point is removed by the launcher's reaper or by the next creation
-(:func:`sweep_stale`).
+creator died before that point (its pid is in the name) is removed by :func:`sweep_stale`, which
+the launcher runs once it has stopped its ranks, and every creation runs too.
 """
 from __future__ import annotations
 
@@ -63,9 +63,17 @@ _SLICE = _Timespec(0, int(_SLICE_S * 1e9))
 OPS = ("barrier", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
-def _describe(op: int, nbytes: int) -> str:
-    name = OPS[op] if 0 <= op < len(OPS) else f"op {op}"
-    return f"{name} of {nbytes} B per piece" if op else name
+_EXTRA = {1: ("sum", "product", "max", "min"), 3: ("sum", "product", "max", "min")}
+
+
+def _describe(code: int, nbytes: int) -> str:
+    op, extra = code % 8, code // 8
+    name = OPS[op] if op < len(OPS) else f"op {op}"
+    if op in _EXTRA:
+        name += f" ({_EXTRA[op][extra] if extra < 4 else extra})"
+    elif op == 4:
+        name += f" from rank {extra}"
+    return f"{name} of {nbytes} B" if op else name
 
 
 class ShmPeerError(RuntimeError):
@@ -137,8 +145,14 @@ class Segment:
             if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077 or info.st_size != total:
                 os.close(fd)
                 raise OSError(f"{path} is not a segment this user made for this group")
-        self._map = mmap.mmap(fd, total)
-        os.close(fd)
+        try:
+            self._map = mmap.mmap(fd, total)
+        except OSError:
+            if create:
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
         self._flags = (ctypes.c_int32 * (data_at // 4)).from_buffer(self._map)  # keeps the map alive
         self._base = ctypes.addressof(self._flags)
         data = torch.frombuffer(self._map, dtype=torch.uint8, offset=data_at, count=size * slot_bytes)
@@ -173,10 +187,12 @@ class Segment:
             self._wait(self._depart(r), self.round, r, "leave the previous collective")
         return g
 
-    def arrive(self, g: int, op: int = 0, nbytes: int = 0) -> None:
+    def arrive(self, g: int, op: int = 0, nbytes: int = 0, extra: int = 0) -> None:
         """This rank's slot is written: tell the peers, and wait until they all have written theirs
-        (with the same ``op`` code and ``nbytes``)."""
+        with the same signature: ``op`` code, the collective's total ``nbytes`` and ``extra`` (the
+        reduction, the broadcast's root)."""
         me = self._arrive(self.rank)
+        op = op + 8 * extra
         self._flags[me + 8], self._flags[me + 9] = op, nbytes & _MASK
         self._set(me, g)
         for r in range(self.size):

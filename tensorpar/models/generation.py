@@ -106,16 +106,17 @@ def prompts(input_ids, attention_mask, pad: int, vocab: int) -> tuple[torch.Tens
     bad = ids[(mask == 1) & ((ids < 0) | (ids >= vocab))]
     if bad.numel():
         raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5].tolist()}")
-    return ids, mask
+    return ids.masked_fill(mask == 0, pad), mask  # the model embeds padding too: any id there must exist
 
 
 def _checked_mask(mask, ids) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
         raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(ids.shape)}, got "
                          f"{tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    if bool(((mask != 0) & (mask != 1)).any()):  # before any cast: 0.5 is not padding
+        raise ValueError(f"attention_mask must hold 0 and 1 only, got {mask.unique()[:5].tolist()}")
     mask = mask.long()
-    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask[:, 1:] < mask[:, :-1]).any()) \
-            or bool((mask[:, -1] == 0).any()):
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask[:, -1] == 0).any()):
         raise ValueError("attention_mask must be left padding: per row zeros then ones, the last position 1")
     return mask
 
@@ -205,8 +206,8 @@ def _vocab_shards(head):
     if head is None:
         yield
         return
-    head.gather_output = False
+    before, head.gather_output = head.gather_output, False
     try:
         yield
     finally:
-        head.gather_output = True
+        head.gather_output = before

@@ -80,7 +80,7 @@ def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: 
         keep = first_k(scores, indices, sampler.top_k)
         scores = scores.masked_fill(~keep, -math.inf)
     if sampler.top_p < 1:
-        scores = _nucleus(scores, sampler.top_p)
+        scores = _nucleus(scores, indices, sampler.top_p)
     gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
     uniform = torch.rand(values.shape[0], vocab_size, generator=gen, dtype=torch.float64)  # (B, V)
     # a shard's padding columns past the vocabulary are candidates at -inf: never chosen, noise at any index
@@ -89,12 +89,18 @@ def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: 
     return _best(scores + gumbel, indices)
 
 
-def first_k(scores: torch.Tensor, indices: torch.Tensor, k: int) -> torch.Tensor:
-    """Mask (B, M) of the ``k`` first candidates by (score descending, index ascending): a strict
-    order, so the ``k`` kept from a shard's candidates are the ``k`` kept from the whole vocabulary."""
+def _order(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Positions (B, M) of the candidates by (score descending, index ascending): a strict order,
+    so a split model's candidates (rank by rank) and the unsplit model's rank alike."""
     by_index = indices.argsort(dim=1, stable=True)  # (B, M)
     by_score = scores.gather(1, by_index).argsort(dim=1, descending=True, stable=True)
-    kept = by_index.gather(1, by_score)[:, :k]  # (B, k): positions in the candidates
+    return by_index.gather(1, by_score)
+
+
+def first_k(scores: torch.Tensor, indices: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask (B, M) of the ``k`` first candidates in :func:`_order`: the ``k`` kept from a shard's
+    candidates are the ``k`` kept from the whole vocabulary."""
+    kept = _order(scores, indices)[:, :k]  # (B, k): positions in the candidates
     return torch.zeros_like(scores, dtype=torch.bool).scatter(1, kept, True)
 
 
@@ -105,11 +111,13 @@ def _best(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return tied.min(dim=1).values
 
 
-def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``scores`` with all but the smallest set of the largest reaching probability ``top_p`` at -inf."""
-    ordered, order = scores.sort(dim=1, descending=True)  # (B, M)
+def _nucleus(scores: torch.Tensor, indices: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``scores`` with all but the smallest set of the largest reaching probability ``top_p`` at
+    -inf, taken in :func:`_order` (ties at the boundary broken by index, as on every path)."""
+    order = _order(scores, indices)  # (B, M)
+    ordered = scores.gather(1, order)
     probs = ordered.softmax(dim=1)
-    before = probs.cumsum(dim=1) - probs  # probability of the strictly larger ones
+    before = probs.cumsum(dim=1) - probs  # probability of the ones ahead in the order
     drop_sorted = before >= top_p  # the first is always kept (before = 0 < top_p)
     drop = drop_sorted.scatter(1, order, drop_sorted)
     return scores.masked_fill(drop, -math.inf)
