@@ -197,10 +197,11 @@ def test_run_samples_a_batch_of_prompts_of_different_lengths(checkpoints):
     assert greedy.bytes_sent_per_rank[0] < gen["predicted_bytes_per_rank"][0]
 
 
-def test_sampling_without_top_k_is_recorded_not_compared(checkpoints):
-    """Sampling without top_k gathers every logit per step, which the planner does not predict:
-    the generation's bytes are reported with the reason and left out of ``ledger_matches`` (the
-    forward's comparison still counts); with top_k the prediction counts k candidates per rank."""
+def test_top_p_sampling_without_top_k_is_recorded_not_compared(checkpoints):
+    """Top-p sampling without top_k gathers every logit per step, which the planner does not
+    predict: the generation's bytes are reported with the reason and left out of
+    ``ledger_matches`` (the forward's comparison still counts); with top_k the prediction counts k
+    candidates per rank, and plain sampling one (each shard's best Gumbel-perturbed score)."""
     from tensorpar.jobs.common import open_checkpoint
     from tensorpar.jobs.run import RunReport, _generation_ledger
     from tensorpar.sharding.inventory import predict_collectives
@@ -209,10 +210,14 @@ def test_sampling_without_top_k_is_recorded_not_compared(checkpoints):
                            "generation_wire_bytes_sent": None}}] * 2
 
     def ledger(**options):
-        task = {"options": {"do_sample": True, "top_k": None, **options}}
+        task = {"options": {"do_sample": True, "temperature": 1.0, "top_k": None, "top_p": 1.0, "seed": 0,
+                            **options}}
         return _generation_ledger(ckpt, 2, "float32", "shm", task, per_rank, 2, 4)
-    free = ledger()
+    free = ledger(top_p=0.9)
     assert not free["compared"] and free["predicted_bytes_per_rank"] is None and "not predict" in free["note"]
+    plain = ledger()
+    one = predict_collectives(ckpt.path, 2, 2, 4, 4, "generate", new_tokens=3, candidates=1)
+    assert plain["compared"] and plain["predicted_bytes_per_rank"] == one.bytes_sent_per_rank
     top5 = ledger(top_k=5)
     want = predict_collectives(ckpt.path, 2, 2, 4, 4, "generate", new_tokens=3, candidates=5)
     assert top5["compared"] and top5["predicted_bytes_per_rank"] == want.bytes_sent_per_rank

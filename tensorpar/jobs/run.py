@@ -18,7 +18,7 @@ import torch
 from tensorpar import dist
 from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, dense_model, is_decoder, no_phase, nonfinite,
                                    open_checkpoint, parse_dtype, quiet_transformers)
-from tensorpar.jobs.run_generation import (NOT_PREDICTED, generate_rows, generation_result, generation_task,
+from tensorpar.jobs.run_generation import (NOT_PREDICTED, SAMPLING, generate_rows, generation_result, generation_task,
                                            has_tokenizer, options_given)
 
 DEFAULT_SENTENCES = (
@@ -202,11 +202,12 @@ def _generation_ledger(ckpt, tp, dtype, backend, task, per_rank, batch, seq) -> 
     steps = len(per_rank[0]["split"]["tokens"][0])
     out = {"ledger_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
            "wire_bytes_per_rank": [r["split"]["generation_wire_bytes_sent"] for r in per_rank], "steps": steps}
-    opts = task["options"]
-    if opts["do_sample"] and opts["top_k"] is None and tp > 1:
+    from tensorpar.models.sampling import Sampler
+
+    candidates = Sampler(**{k: task["options"][k] for k in SAMPLING}).candidates
+    if candidates is None and tp > 1:
         return {**out, "predicted_bytes_per_rank": None, "compared": False, "note": NOT_PREDICTED}
-    candidates = opts["top_k"] if opts["do_sample"] else 1
-    gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, steps, candidates)
+    gen = _predict(ckpt, tp, dtype, batch, seq, "generate", backend, steps, candidates or 1)
     return {**out, "predicted_bytes_per_rank": gen.bytes_sent_per_rank, "compared": True}
 
 

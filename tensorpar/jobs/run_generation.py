@@ -20,8 +20,8 @@ from tensorpar.jobs.common import check_length
 
 DEFAULT_PROMPT = "Tensor parallelism splits a model across"
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "seed")
-NOT_PREDICTED = ("sampling without top_k gathers every logit at each step (B x V), which the planner does "
-                 "not predict: the generation's bytes are recorded, not compared")
+NOT_PREDICTED = ("top-p sampling without top_k gathers every logit at each step (B x V), which the planner "
+                 "does not predict: the generation's bytes are recorded, not compared")
 
 
 # ---- in the parent, before any rank starts -------------------------------------------------------

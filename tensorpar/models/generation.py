@@ -10,8 +10,10 @@ Hugging Face cache each rank builds holds only its own KV heads: ``1/tp`` of the
   vocabulary: one all-reduce per attention and MLP block, no gather of ``B x V`` logits;
 - one all-gather of each rank's candidates, ``B x tp x k`` (value, index) pairs as float64
   (16 bytes each; ``k = 1`` for greedy, ``top_k`` when sampling with it), from which every rank
-  computes the same next token (:mod:`tensorpar.models.sampling`): no broadcast. Sampling
-  without ``top_k`` gathers the vocabulary shards instead (every logit is a candidate).
+  computes the same next token (:mod:`tensorpar.models.sampling`): no broadcast. Plain
+  sampling (no ``top_k``, no ``top_p``) offers each shard's best Gumbel-perturbed score, one
+  candidate; ``top_p`` without ``top_k`` gathers the vocabulary shards instead (the nucleus
+  needs every probability).
 
 Prompts of different lengths are left-padded: ``attention_mask`` marks the real tokens, and
 positions count real tokens only (``cumsum(mask) - 1``, as Hugging Face's ``generate``), so each
@@ -25,7 +27,7 @@ import inspect
 import torch
 
 from tensorpar import dist
-from tensorpar.models.sampling import Sampler, choose
+from tensorpar.models.sampling import Sampler, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear
 
 
@@ -69,10 +71,10 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     stop_ids = torch.tensor(stops, dtype=torch.long)
     logits_seen = []
     for t in range(max_new_tokens):
-        (values, indices), full, cache = step(new, mask, new_pos, cache, sampler.candidates, vocab, return_logits)
+        (values, indices, perturbed), full, cache = step(new, mask, new_pos, cache, sampler, t, vocab, return_logits)
         if return_logits:
             logits_seen.append(full)
-        nxt = choose(values, indices, sampler, t, vocab)  # (B,): the same on every rank
+        nxt = choose(values, indices, sampler, t, vocab, perturbed=perturbed)  # (B,): the same on every rank
         if stops:
             nxt = nxt.masked_fill(done, pad)
             done |= torch.isin(nxt, stop_ids)
@@ -152,7 +154,7 @@ class _Stepper:
         sharded = isinstance(head, ColumnParallelLinear) and head.tp_size > 1 and head.rows is None
         self.head = head if sharded else None  # as causal_lm_loss and the planner's inventory decide
 
-    def __call__(self, new, mask, positions, cache, k, vocab, want_full):
+    def __call__(self, new, mask, positions, cache, sampler, t, vocab, want_full):
         kwargs = {self.cache_kwarg: cache, "use_cache": True}
         if self.keep:
             kwargs[self.keep] = 1
@@ -166,24 +168,31 @@ class _Stepper:
         logits = out.logits[:, -1, :]  # (B, V) or this rank's (B, V/tp)
         if self.head is None:  # every rank holds every logit
             full = logits[:, :vocab].double()
-            return _best_k(full, 0, k), (full if want_full else None), cache
-        candidates, full = self._exchange(logits, k, vocab, want_full)
+            k = None if sampler.shard_gumbel else sampler.candidates  # here the noise goes on every logit
+            return (*_best_k(full, 0, k), False), (full if want_full else None), cache
+        candidates, full = self._exchange(logits, sampler, t, vocab, want_full)
         return candidates, full, cache
 
-    def _exchange(self, logits_shard, k, vocab, want_full):
-        """Every rank's candidates from each rank's vocabulary shard ``(B, V/tp)``, in one all-gather."""
-        start = self.head.output_start_index
+    def _exchange(self, logits_shard, sampler, t, vocab, want_full):
+        """Every rank's candidates from each rank's vocabulary shard ``(B, V/tp)``, in one all-gather:
+        ``((values, indices, perturbed), full logits or None)``."""
+        start, width = self.head.output_start_index, logits_shard.shape[1]
+        valid = max(0, min(vocab - start, width))
         local = logits_shard.double()
-        local[:, max(0, min(vocab - start, local.shape[1])):] = -float("inf")  # padding past the vocabulary
-        full = None
+        local[:, valid:] = -float("inf")  # padding past the vocabulary
+        full, k = None, sampler.candidates
         if k is None or want_full:
             full = dist.all_gather(logits_shard, dim=-1, group=self.group)[:, :vocab].double()  # (B, V)
         if k is None:
-            return _best_k(full, 0, None), full
+            return (*_best_k(full, 0, None), False), full
+        if sampler.shard_gumbel:  # this shard's columns of the step's noise, on its temperature-scaled scores
+            noise = gumbel(sampler, t, local.shape[0], vocab)[:, start:start + valid]  # (B, valid)
+            local = local / sampler.temperature
+            local[:, :valid] += noise
         values, indices = _best_k(local, start, k)  # (B, k)
         packed = torch.stack([values, indices.double()], dim=-1)  # (B, k, 2): an index is exact in float64
         every = dist.all_gather(packed, dim=1, group=self.group, module="next_token")  # (B, tp k, 2)
-        return (every[..., 0], every[..., 1].long()), full
+        return (every[..., 0], every[..., 1].long(), sampler.shard_gumbel), full
 
 
 def _best_k(values: torch.Tensor, offset: int, k: int | None):

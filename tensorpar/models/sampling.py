@@ -55,9 +55,17 @@ class Sampler:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
+    def shard_gumbel(self) -> bool:
+        """Plain sampling (no top-k, no top-p): each shard adds its columns' Gumbel noise and
+        offers its best perturbed score, since the argmax over the vocabulary is the largest of
+        the shards' argmaxes."""
+        return self.do_sample and self.top_k is None and self.top_p == 1
+
+    @property
     def candidates(self) -> int | None:
-        """Candidates each shard offers: 1 (greedy), ``top_k``, or None (every logit)."""
-        if not self.do_sample:
+        """Candidates each shard offers: 1 (greedy, plain sampling), ``top_k``, or None (top-p
+        without top-k: the nucleus needs every probability, so every logit)."""
+        if not self.do_sample or self.shard_gumbel:
             return 1
         return self.top_k
 
@@ -67,13 +75,21 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % (2 ** 63)
 
 
-def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: int, vocab_size: int) -> torch.Tensor:
+def gumbel(sampler: Sampler, step: int, batch: int, vocab_size: int) -> torch.Tensor:
+    """``G = -log(-log U)`` for every row and vocabulary index of step ``step``: (B, V) float64."""
+    gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
+    return -torch.log(-torch.log(torch.rand(batch, vocab_size, generator=gen, dtype=torch.float64)))
+
+
+def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: int, vocab_size: int, *,
+           perturbed: bool = False) -> torch.Tensor:
     """The next token of each row, ``(B,)`` int64, from candidates ``values`` (B, M) float64 and
-    their vocabulary ``indices`` (B, M); ``-inf`` values are never chosen."""
+    their vocabulary ``indices`` (B, M); ``-inf`` values are never chosen. ``perturbed``: the
+    values already carry their temperature and Gumbel noise (:attr:`Sampler.shard_gumbel`)."""
     if bool(torch.isnan(values).any()):
         raise ValueError(f"the logits of step {step} contain NaN: no token can be chosen (the model's "
                          f"weights or inputs are not finite)")
-    if not sampler.do_sample:
+    if not sampler.do_sample or perturbed:
         return _best(values, indices)
     scores = values / sampler.temperature
     if sampler.top_k is not None and sampler.top_k < scores.shape[1]:
@@ -81,12 +97,10 @@ def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: 
         scores = scores.masked_fill(~keep, -math.inf)
     if sampler.top_p < 1:
         scores = _nucleus(scores, indices, sampler.top_p)
-    gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
-    uniform = torch.rand(values.shape[0], vocab_size, generator=gen, dtype=torch.float64)  # (B, V)
     # a shard's padding columns past the vocabulary are candidates at -inf: never chosen, noise at any index
     at = indices.clamp(max=vocab_size - 1)
-    gumbel = -torch.log(-torch.log(uniform.gather(1, at)))  # (B, M), at the candidates' indices
-    return _best(scores + gumbel, indices)
+    noise = gumbel(sampler, step, values.shape[0], vocab_size).gather(1, at)  # (B, M), at the candidates
+    return _best(scores + noise, indices)
 
 
 def _order(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
