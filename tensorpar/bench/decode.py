@@ -29,7 +29,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as tdist
 
 from tensorpar import dist
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
@@ -54,9 +53,9 @@ def this_machine(shm_group):
     copy_s = _best_of(lambda: dst.copy_(src))
     mm_s = _best_of(lambda: a @ a)
     piece = torch.ones(1 << 20)  # 4 MiB per rank
-    out = torch.empty(piece.numel() * dist.get_world_size(shm_group))
-    link_s = _best_of(lambda: tdist.all_gather_single(out, piece, group=shm_group))
-    figures = torch.tensor([2 * src.nbytes / copy_s, 2 * 512 ** 3 / mm_s, out.nbytes / link_s], dtype=torch.float64)
+    link_s = _best_of(lambda: dist.all_gather(piece, 0, group=shm_group))
+    gathered = piece.nbytes * dist.get_world_size(shm_group)
+    figures = torch.tensor([2 * src.nbytes / copy_s, 2 * 512 ** 3 / mm_s, gathered / link_s], dtype=torch.float64)
     dist.all_reduce(figures, op="min")  # the slowest rank's figures
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     return custom_hardware(peak_tflops=figures[1].item() / 1e12, hbm_gbps=figures[0].item() / 1e9,
@@ -163,7 +162,7 @@ def decode_worker(path, repeats: int, batches, new: int) -> list:
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     dist.check_collectives(False)  # timed as users run
-    shm_group = tdist.new_group(list(range(dist.get_world_size())), backend="tpshm")
+    shm_group = dist.new_group(list(range(dist.get_world_size())), backend="shm")
     if dist.transport(shm_group) != "shm":
         raise RuntimeError(f"the shared-memory group runs over {dist.transport(shm_group)}: {shm_group.why_not}")
     from transformers import AutoModelForCausalLM

@@ -85,13 +85,18 @@ def get_backend(group=None) -> str:
     return tdist.get_backend(group) if is_initialized() else "none"
 
 
-def new_group(ranks: list[int]):
-    """A sub-group of the given global ranks; every rank must call it with the same list."""
+def new_group(ranks: list[int], backend: str | None = None):
+    """A sub-group of the given global ranks; every rank must call it with the same list.
+    ``backend``: the world's (default), ``"shm"`` (shared memory where the ranks share a host,
+    :mod:`tensorpar.dist.shm`) or ``"gloo"``."""
     world = tdist.get_world_size()
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or len(set(ranks)) != len(ranks) or not ranks:
         raise ValueError(f"ranks {ranks} must be distinct global ranks in [0, {world}); invalid: {bad}")
-    return tdist.new_group(ranks=sorted(ranks))
+    if backend not in (None, "shm", "gloo"):
+        raise ValueError(f"backend {backend!r} is not supported for a sub-group; valid: None (the world's), shm, gloo")
+    from tensorpar.dist import shm
+    return tdist.new_group(ranks=sorted(ranks), backend=shm.BACKEND if backend == "shm" else backend)
 
 
 def barrier(group=None) -> None:
