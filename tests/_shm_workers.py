@@ -193,3 +193,14 @@ def bad_sizes_worker():
     x = torch.ones(3)
     tdist.all_reduce(x, group=group)
     return errors, x.tolist()
+
+
+def unlinked_worker():
+    """While the ranks run, after their groups are made: their segments are already gone from
+    /dev/shm (unlinked once mapped), so no crash can leave them behind."""
+    tdist.new_group([0, 1])  # a second segment, besides the world's
+    pids = [None] * tdist.get_world_size()
+    tdist.all_gather_object(pids, os.getpid())
+    tdist.barrier()
+    return [n for n in os.listdir(seg.SHM_DIR)
+            if n.startswith(seg.PREFIX) and n[len(seg.PREFIX):].split("-")[0] in {str(p) for p in pids}]

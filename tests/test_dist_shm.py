@@ -108,3 +108,7 @@ def test_outputs_of_the_wrong_size_are_refused_before_any_round():
     for errors, value in dist.launch(W.bad_sizes_worker, 2, deadline=60):
         assert all("the larger must hold 2 x the smaller, in the same dtype" in e for e in errors), errors
         assert value == [2.0, 2.0, 2.0]
+
+
+def test_segments_are_unlinked_while_the_ranks_still_run():
+    assert dist.launch(W.unlinked_worker, 2, deadline=60) == [[], []]
