@@ -14,6 +14,8 @@ ends when the pipe closes. Cost: one small Python process per launch (tens of mi
 """
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -73,3 +75,27 @@ class Reaper:
             self._proc.stdin.flush()
         except (OSError, ValueError):  # the reaper is gone: nothing to tell it
             pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead(folder: str, prefix: str, remove) -> None:
+    """``remove(path)`` for every entry of ``folder`` named ``<prefix><pid>-...`` whose pid is gone:
+    what a process SIGKILLed before cleaning up left behind (rendezvous folders, shared segments)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(rf"{re.escape(prefix)}(\d+)-", name)
+        if m and not pid_alive(int(m.group(1))):
+            remove(os.path.join(folder, name))

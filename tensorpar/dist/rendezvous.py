@@ -13,6 +13,7 @@ import torch
 import torch.distributed as tdist
 
 from tensorpar.dist import shm
+from tensorpar.dist.reaper import sweep_dead
 
 BACKENDS = ("auto", "shm", "gloo", "nccl")
 
@@ -94,22 +95,8 @@ _RDZV_PREFIX = "tensorpar-rdzv-"
 def _sweep_stale_rendezvous() -> None:
     """Remove the rendezvous folders of launchers that died without cleaning up (SIGKILL): each
     folder's name carries its launcher's pid; a folder whose pid is gone is stale."""
-    import re
     import shutil
-    root = tempfile.gettempdir()
-    for name in os.listdir(root):
-        m = re.match(rf"{_RDZV_PREFIX}(\d+)-", name)
-        if m and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))
 
 _INIT_ATTEMPTS = 3
 

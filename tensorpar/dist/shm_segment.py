@@ -31,13 +31,13 @@ import ctypes
 import mmap
 import os
 import platform
-import re
 import stat
 import time
 
 import torch
 
 from tensorpar.dist.flight import CollectiveMismatchError
+from tensorpar.dist.reaper import pid_alive, sweep_dead
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tensorpar-shm-"
@@ -101,27 +101,14 @@ def host_identity() -> str:
 
 def sweep_stale() -> None:
     """Remove segments whose creating process is gone (it died before unlinking them)."""
+    sweep_dead(SHM_DIR, PREFIX, _unlink_quietly)
+
+
+def _unlink_quietly(path: str) -> None:
     try:
-        names = os.listdir(SHM_DIR)
+        os.unlink(path)
     except OSError:
-        return
-    for name in names:
-        m = re.match(rf"{PREFIX}(\d+)-", name)
-        if m and not _alive(int(m.group(1))):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        pass
 
 
 class Segment:
@@ -233,7 +220,7 @@ class Segment:
 
     def _check_peer(self, peer: int, waited: float, what: str) -> None:
         pid = self.peer_pids[peer] if self.peer_pids else None
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_alive(pid):
             self.broken = f"rank {peer} of the group (pid {pid}) is gone (Connection closed by peer)"
         elif waited > self.timeout_s:
             self.broken = f"timed out after {waited:.0f}s waiting for rank {peer} of the group to {what}"
