@@ -204,3 +204,20 @@ def unlinked_worker():
     tdist.barrier()
     return [n for n in os.listdir(seg.SHM_DIR)
             if n.startswith(seg.PREFIX) and n[len(seg.PREFIX):].split("-")[0] in {str(p) for p in pids}]
+
+
+def inference_mode_worker():
+    """Collectives first issued under ``torch.inference_mode`` (a decode step), then outside it: the
+    segment's views made in the first must serve the second (they did not: in-place write to an
+    inference tensor)."""
+    rank = dist.get_rank()
+    out = []
+    with torch.inference_mode():
+        x = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x)
+        out.append(x.tolist())
+    for dtype in (torch.float32, torch.float64):
+        y = torch.full((3,), float(rank + 1), dtype=dtype, requires_grad=False)
+        dist.all_reduce(y)
+        out.append(y.tolist())
+    return out

@@ -112,3 +112,7 @@ def test_outputs_of_the_wrong_size_are_refused_before_any_round():
 
 def test_segments_are_unlinked_while_the_ranks_still_run():
     assert dist.launch(W.unlinked_worker, 2, deadline=60) == [[], []]
+
+
+def test_collectives_serve_inside_and_outside_inference_mode():
+    assert dist.launch(W.inference_mode_worker, 2, deadline=60) == [[[3.0] * 3] * 3] * 2

@@ -77,15 +77,19 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
-    if group_size(group) == 1:
+    segment = None if async_op else shm.segment_of(group, x)  # only groups of 2 or more have one
+    if segment is None and group_size(group) == 1:
         return None if async_op else x
     led = _record("all_reduce", x, group, phase, module, record_to=record_to)
-    segment = None if async_op else shm.segment_of(group, x)
-    with flight.issuing("all_reduce", x, group, module), _on_wire(None if async_op else led, group):
-        if segment is not None:
-            work = shm.all_reduce(segment, x, op)
-        else:
-            work = tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op)
+    seq = flight.enter("all_reduce", x, group, module)
+    if segment is not None and led is None:  # a decode step's dozen small all-reduces: the least Python
+        shm.all_reduce(segment, x, op)
+        work = None
+    else:
+        with _on_wire(None if async_op else led, group):
+            work = (shm.all_reduce(segment, x, op) if segment is not None else
+                    tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op))
+    flight.leave(seq)
     increment_version(x)
     return work if async_op else x
 

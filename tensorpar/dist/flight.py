@@ -27,7 +27,6 @@ is off by default and on in ``tensorpar verify`` and the test suite.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import struct
@@ -40,6 +39,7 @@ SLOT_BYTES = 1024
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "broadcast_object",
         "all_gather_object")
 _SLOT = None  # this rank's shared slot (set by the launcher in a spawned rank)
+_VIEW = None  # its bytes
 _SEQ: dict = {}  # group ranks -> collectives issued on it
 _GROUP_RANKS: dict = {}
 _CHECK = [os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "") not in ("", "0")]
@@ -54,8 +54,9 @@ class CollectiveMismatchError(RuntimeError):
 
 def install(slot) -> None:
     """Called by the launcher in each spawned rank: where this rank reports."""
-    global _SLOT
+    global _SLOT, _VIEW
     _SLOT = slot
+    _VIEW = memoryview(slot).cast("B")
     _LAST[0] = None  # the new slot holds no call yet
 
 
@@ -78,6 +79,7 @@ def _ranks_of(group) -> tuple:
 # call as JSON up to a NUL byte, written only when it differs from the last call's (a decode
 # step repeats a handful of calls): most writes are 17 bytes.
 _STATES = ("", "checking", "in", "out")
+_CODES = {state: code for code, state in enumerate(_STATES)}
 _HEAD = struct.Struct("<BdQ")  # state code, time, seq
 _ENCODED: dict = {}  # call key -> its JSON, NUL-terminated
 _LAST = [None]  # the key whose JSON the slot holds
@@ -85,7 +87,7 @@ _LAST = [None]  # the key whose JSON the slot holds
 
 def _write(state: str, seq: int = 0, call: tuple | None = None) -> None:
     """``call``: ``(op, shape, dtype, group ranks, module)``, or None to keep the slot's."""
-    head = _HEAD.pack(_STATES.index(state), time.time(), seq)
+    head = _HEAD.pack(_CODES[state], time.time(), seq)
     data = None
     if call is not None and call != _LAST[0]:
         data = _ENCODED.get(call)
@@ -94,13 +96,13 @@ def _write(state: str, seq: int = 0, call: tuple | None = None) -> None:
             text = json.dumps({"op": op, "shape": list(shape), "dtype": dtype, "group": list(group), "module": module})
             data = _ENCODED[call] = text.encode()[:SLOT_BYTES - 2 - _HEAD.size] + b"\0"
         _LAST[0] = call
-    base = ctypes.addressof(_SLOT)
-    counter = _SLOT[0][0]
-    _SLOT[0] = bytes([(counter + 1) % 256])  # odd: writing
-    ctypes.memmove(base + 1, head, _HEAD.size)
+    view = _VIEW
+    counter = view[0]
+    view[0] = (counter + 1) & 255  # odd: writing
+    view[1:1 + _HEAD.size] = head
     if data is not None:
-        ctypes.memmove(base + 1 + _HEAD.size, data, len(data))
-    _SLOT[0] = bytes([(counter + 2) % 256])  # even: done
+        view[1 + _HEAD.size:1 + _HEAD.size + len(data)] = data
+    view[0] = (counter + 2) & 255  # even: done
 
 
 def new_slot(ctx):
@@ -125,21 +127,47 @@ def read(slot) -> dict | None:
 @contextlib.contextmanager
 def issuing(op: str, tensor: torch.Tensor | None, group, module: str | None = None):
     """Around one collective: counted, reported to the launcher, checked if checking is on."""
+    seq = enter(op, tensor, group, module)
+    yield
+    leave(seq)
+
+
+def enter(op: str, tensor: torch.Tensor | None, group, module: str | None = None) -> int:
+    """:func:`issuing`'s first half, for a hot path that spares the context manager: returns the
+    collective's number, which :func:`leave` takes once it is done (not when it raised: the
+    state stays "in", which names where the rank stopped)."""
     ranks = _ranks_of(group)
     seq = _SEQ[ranks] = _SEQ.get(ranks, 0) + 1
-    shape = tuple(tensor.shape) if tensor is not None else ()
-    dtype = (_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", "")) if tensor is not None else ""
-    call = (op, shape, dtype, ranks, module)
+    if _SLOT is None and not _CHECK[0]:
+        return seq
+    call = _CALLS.get((op, tensor.shape, tensor.dtype, ranks, module) if tensor is not None else (op, ranks, module))
+    if call is None:
+        call = _call(op, tensor, ranks, module)
     if _CHECK[0]:  # reported as "checking" first: a mismatch is the ranks' to name, with both calls
         if _SLOT is not None:
             _write("checking", seq, call)
-        _check_signature({"seq": seq, "op": op, "shape": list(shape), "dtype": dtype, "group": list(ranks),
+        _check_signature({"seq": seq, "op": op, "shape": list(call[1]), "dtype": call[2], "group": list(ranks),
                           "module": module}, group)
     if _SLOT is not None:
         _write("in", seq, call)
-    yield
+    return seq
+
+
+def leave(seq: int) -> None:
     if _SLOT is not None:
         _write("out", seq)
+
+
+_CALLS: dict = {}  # (op, shape, dtype, ranks, module) -> the call as the slot describes it
+
+
+def _call(op: str, tensor: torch.Tensor | None, ranks: tuple, module: str | None) -> tuple:
+    shape = tuple(tensor.shape) if tensor is not None else ()
+    dtype = (_DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", "")) if tensor is not None else ""
+    call = (op, shape, dtype, ranks, module)
+    if len(_CALLS) < 4096:  # a decode step repeats a handful of calls; a long varied run stops caching
+        _CALLS[(op, tensor.shape, tensor.dtype, ranks, module) if tensor is not None else (op, ranks, module)] = call
+    return call
 
 
 def describe(state: dict | None) -> str:

@@ -141,8 +141,13 @@ class Ledger:
                 "by_op": self.by_op(), "total_bytes_sent": self.total_bytes_sent(),
                 "wire_bytes_sent": self.wire_bytes_sent()}
 
+    def name_of(self, module) -> str:
+        """What the records call ``module``: its qualified name in the model the ledger was opened
+        on, else its class name."""
+        return self.names.get(id(module), type(module).__name__)
+
     def _push(self, module, _inputs):
-        self._stack.append(self.names.get(id(module), type(module).__name__))
+        self._stack.append(self.name_of(module))
 
     def _pop(self, _module, _inputs, _output):
         if self._stack:

@@ -155,7 +155,8 @@ class Segment:
         """Every rank's slot as a flat tensor of ``dtype`` (made once per dtype)."""
         views = self._typed.get(dtype)
         if views is None:
-            views = self._typed[dtype] = [slot.view(dtype) for slot in self.slots]
+            with torch.inference_mode(False):  # made under inference mode, a view could not be written outside it
+                views = self._typed[dtype] = [slot.view(dtype) for slot in self.slots]
         return views
 
     # flag indices (int32 units): arrive of r, depart of r
