@@ -8,6 +8,7 @@ import torch.distributed as tdist
 from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
+from tensorpar.models.lean import lean_decoder
 from tensorpar.models.testing import make_tiny_model
 
 # Prompts of three lengths; with the seeds below each tiny model's rows continue differently
@@ -50,10 +51,13 @@ def _compare(dense, split) -> dict:
         with dist.ledger() as led:
             got = generate(split, PROMPTS, NEW, **kw)
         got_again, split_logits = generate(split, PROMPTS, NEW, return_logits=True, **kw)
-        want, dense_logits = generate(dense, PROMPTS, NEW, return_logits=True, **kw)
+        # the expected side through the model's own forward (Hugging Face's), never the lean one under test
+        want, dense_logits = generate(dense, PROMPTS, NEW, return_logits=True, engine="hf", **kw)
+        _, hf_logits = generate(split, PROMPTS, NEW, return_logits=True, engine="hf", **kw)
         res[name] = {"tokens": got[:, -NEW:].tolist(), "dense_tokens": want[:, -NEW:].tolist(),
                      "same_again": torch.equal(got, got_again),
                      "logits_err": max((a - b).abs().max().item() for a, b in zip(split_logits, dense_logits)),
+                     "hf_engine_logits_err": max((a - b).abs().max().item() for a, b in zip(hf_logits, dense_logits)),
                      "dense_logits": [s.tolist() for s in dense_logits],
                      "ops": sorted({(rec.op, rec.module) for rec in led.records if rec.module in ("", "next_token")})}
     width = max(len(p) for p in PROMPTS)  # the same batch as input_ids + attention_mask, padded with 7
@@ -62,6 +66,7 @@ def _compare(dense, split) -> dict:
     res["tensor_and_mask"] = generate(split, ids, NEW, attention_mask=mask)[:, -NEW:].tolist()
     res["hf_rows"] = [_hf_greedy(dense, [p]) for p in PROMPTS]  # each row alone, by transformers
     res["hf_batch"] = _hf_greedy(dense, PROMPTS)  # left-padded, by transformers
+    res["lean_why_not"] = lean_decoder(split, split.tp_report.tp_group)[1]  # "" where the lean forward ran
     return res
 
 
@@ -82,7 +87,7 @@ def _stop_case(group):
     the others go on (unless they produce it too)."""
     dense = make_tiny_model("llama", seed=3)
     split = parallelize(copy.deepcopy(dense), tp_group=group)
-    free = generate(dense, PROMPTS, NEW)[:, -NEW:]
+    free = generate(dense, PROMPTS, NEW, engine="hf")[:, -NEW:]
     row = free[0].tolist()
     stop = next(t for k, t in enumerate(row) if k >= 1 and t not in row[:k])
     got = generate(split, PROMPTS, NEW, eos_token_id=[stop], pad_token_id=0)[:, -NEW:]

@@ -152,7 +152,7 @@ def _generation_error(split, dense, ids) -> float | None:
         return None
     try:
         with torch.no_grad():
-            d_ids, d_steps = generate(dense, ids, NEW_TOKENS, return_logits=True)
+            d_ids, d_steps = generate(dense, ids, NEW_TOKENS, return_logits=True, engine="hf")  # the model's own forward
     except Exception:  # noqa: BLE001 - a model whose dense copy cannot decode with a cache
         return None
     with torch.no_grad():

@@ -104,11 +104,12 @@ def _forward_case(family, dense, group, tp, ids) -> dict:
            "counted": sum(p.numel() for p in model.parameters()), "tp_rank": dist.get_rank(group)}
     if family in DECODERS:
         prompt = _ids(7, (2, 5))
-        want = generate(dense, prompt, 8)
-        got, cache = generate(model, prompt, 8, return_cache=True)
+        want = generate(dense, prompt, 8, engine="hf")
+        got, cache = generate(model, prompt, 8, return_cache=True, engine="hf")
+        lean = generate(model, prompt, 8, engine="auto")
         hf = dense.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
                             do_sample=False, pad_token_id=0)
-        res.update(tokens_equal=torch.equal(got, want), hf_equal=torch.equal(want, hf),
+        res.update(tokens_equal=torch.equal(got, want) and torch.equal(lean, want), hf_equal=torch.equal(want, hf),
                    cache_heads=cache.layers[0].keys.shape[1], cache_len=cache.layers[0].keys.shape[2])
     if tp > 1:
         with dist.ledger() as led:

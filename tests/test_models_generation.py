@@ -1,5 +1,7 @@
 """Generation on split models: batches of mixed prompt lengths, sampling and stop tokens, against
-the unsplit model (every step's logits), transformers' own generate, and an independent sampler."""
+the unsplit model (every step's logits), transformers' own generate, and an independent sampler.
+The split side runs ``generate``'s default engine (the lean forward for Llama, the model's own for
+GPT-2) and the model's own forward; the expected side always the model's own forward."""
 import functools
 import math
 
@@ -29,6 +31,7 @@ def test_every_row_and_every_step_equal_the_unsplit_model(arch, tp):
             c = case[name]
             assert c["tokens"] == c["dense_tokens"], (rank, name, c["tokens"], c["dense_tokens"])
             assert c["logits_err"] <= LOGITS_TOL, (rank, name, c["logits_err"])
+            assert c["hf_engine_logits_err"] <= LOGITS_TOL, (rank, name, c["hf_engine_logits_err"])
             assert c["same_again"], (rank, name)
             # one exchange per step outside the model: the candidates, never a broadcast
             assert {op for op, _ in c["ops"]} == {"all_gather"}, c["ops"]
@@ -36,6 +39,8 @@ def test_every_row_and_every_step_equal_the_unsplit_model(arch, tp):
         assert greedy == case["hf_batch"], ("left-padded batch differs from transformers", greedy, case["hf_batch"])
         assert greedy == [row[0] for row in case["hf_rows"]], "a row differs from the same prompt alone"
         assert case["tensor_and_mask"] == greedy, "input_ids with attention_mask differ from the lists"
+        # llama's split model decodes through the lean forward by default; GPT-2 through its own
+        assert (case["lean_why_not"] == "") == (arch == "llama"), case["lean_why_not"]
 
 
 def test_the_cases_have_power():

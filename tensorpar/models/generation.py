@@ -27,15 +27,18 @@ import inspect
 import torch
 
 from tensorpar import dist
+from tensorpar.models.lean import lean_decoder
 from tensorpar.models.sampling import Sampler, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear
+
+ENGINES = ("auto", "lean", "hf")
 
 
 @torch.no_grad()
 def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
-             return_cache: bool = False, return_logits: bool = False):
+             return_cache: bool = False, return_logits: bool = False, engine: str = "auto"):
     """``(B, T + n)`` token ids: the (left-padded) prompts followed by up to ``max_new_tokens`` tokens.
 
     ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
@@ -48,6 +51,11 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     this rank's KV cache. ``return_logits``: also return the full logits each step chose from,
     ``[(B, V), ...]`` (gathered for the purpose on a split model: what a comparison of two
     models must look at, since tiny random models often repeat one token whatever happens).
+    ``engine``: ``"lean"`` runs the forward of :mod:`tensorpar.models.lean` (Llama-family models;
+    ValueError saying why for another), ``"hf"`` the model's own forward, ``"auto"`` the lean one
+    where it applies. Both compute the model's function; the lean one spends far less Python per
+    step. ``return_cache`` gives a Hugging Face cache or a :class:`~tensorpar.models.lean.LeanCache`
+    (made under ``torch.inference_mode``: readable anywhere, writable only there).
     """
     vocab = _vocab_size(model)
     stops = _stop_ids(eos_token_id, vocab)
@@ -57,14 +65,17 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     ids, mask = prompts(input_ids, attention_mask, pad, vocab)
     _check_count(max_new_tokens)
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
     report = getattr(model, "tp_report", None)
     group = report.tp_group if report is not None and report.tp_size > 1 else False
     if group is not False:  # ranks given different prompts or settings would decode a model no one has
         from tensorpar.sharding.audit import check_same_inputs
         check_same_inputs(group, input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                          sampler=repr(sampler), stops=repr((stops, pad)))
-    step = _Stepper(model, group, padded=bool((mask == 0).any()))
+                          sampler=repr(sampler), stops=repr((stops, pad)), engine=engine)
+    step = _Stepper(model, group, padded=bool((mask == 0).any()), engine=engine,
+                    capacity=ids.shape[1] + max_new_tokens)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (B, T): real tokens counted
     new, new_pos, cache = ids, positions, None
     done = torch.zeros(ids.shape[0], dtype=torch.bool)
@@ -144,17 +155,39 @@ def _vocab_size(model) -> int:
 class _Stepper:
     """One forward of a generation step: ``(candidates, full logits or None, cache)``."""
 
-    def __init__(self, model, group, padded: bool):
+    def __init__(self, model, group, padded: bool, engine: str, capacity: int):
         self.model, self.group, self.padded = model, group, padded
+        head = model.get_output_embeddings()
+        sharded = isinstance(head, ColumnParallelLinear) and head.tp_size > 1 and head.rows is None
+        self.head = head if sharded else None  # as causal_lm_loss and the planner's inventory decide
+        self.lean, why = (None, "") if engine == "hf" else lean_decoder(model, None if group is False else group,
+                                                                         capacity)
+        self.capacity = capacity
+        if self.lean is None and engine == "lean":
+            raise ValueError(f"engine='lean' cannot run {type(model).__name__}: {why}")
         params = inspect.signature(type(model).forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.positions = "position_ids" in params
-        head = model.get_output_embeddings()
-        sharded = isinstance(head, ColumnParallelLinear) and head.tp_size > 1 and head.rows is None
-        self.head = head if sharded else None  # as causal_lm_loss and the planner's inventory decide
 
     def __call__(self, new, mask, positions, cache, sampler, t, vocab, want_full):
+        logits, cache = (self._lean if self.lean is not None else self._hf)(new, mask, positions, cache)
+        if self.head is None:  # every rank holds every logit
+            full = logits[:, :vocab].double()
+            k = None if sampler.shard_gumbel else sampler.candidates  # here the noise goes on every logit
+            return (*_best_k(full, 0, k), False), (full if want_full else None), cache
+        candidates, full = self._exchange(logits, sampler, t, vocab, want_full)
+        return candidates, full, cache
+
+    def _lean(self, new, mask, positions, cache):
+        with torch.inference_mode():  # no autograd bookkeeping at all: ~6% of a decode step
+            if cache is None:
+                cache = self.lean.new_cache(new.shape[0], self.capacity)
+            logits = self.lean(new, mask if self.padded else None, positions, cache)
+        return logits.clone(), cache  # an ordinary tensor: what is returned must serve autograd later
+
+    def _hf(self, new, mask, positions, cache):
+        """The model's own forward: this rank's logits of the last position, ``(B, V)`` or ``(B, V/tp)``."""
         kwargs = {self.cache_kwarg: cache, "use_cache": True}
         if self.keep:
             kwargs[self.keep] = 1
@@ -165,13 +198,7 @@ class _Stepper:
         with _vocab_shards(self.head):
             out = self.model(input_ids=new, **kwargs)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        logits = out.logits[:, -1, :]  # (B, V) or this rank's (B, V/tp)
-        if self.head is None:  # every rank holds every logit
-            full = logits[:, :vocab].double()
-            k = None if sampler.shard_gumbel else sampler.candidates  # here the noise goes on every logit
-            return (*_best_k(full, 0, k), False), (full if want_full else None), cache
-        candidates, full = self._exchange(logits, sampler, t, vocab, want_full)
-        return candidates, full, cache
+        return out.logits[:, -1, :], cache
 
     def _exchange(self, logits_shard, sampler, t, vocab, want_full):
         """Every rank's candidates from each rank's vocabulary shard ``(B, V/tp)``, in one all-gather:

@@ -160,6 +160,19 @@ def rank0_only(module, attr: str, group) -> None:
     _substitutes(module).transforms[attr] = _Rank0(group)
 
 
+def same_forward(module) -> bool:
+    """Whether ``module``'s forward hooks, if any, are all tensorpar's and leave the values of a
+    forward without gradients as they are: region entries (``f`` is the identity forward) and
+    gradient-only substitutes. Code that runs the module's arithmetic itself may then skip them."""
+    subs = module.__dict__.get("_tp_substitutes")
+    for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
+        entry = isinstance(hook, partial) and hook.func in (_copy_in, _copy_all)
+        substitute = subs is not None and getattr(hook, "__self__", None) is subs
+        if not (entry or substitute and all(t.grad_only for t in subs.transforms.values())):
+            return False
+    return True
+
+
 def remove_substitutes(module) -> None:
     subs = module.__dict__.pop("_tp_substitutes", None)
     if subs is not None:
