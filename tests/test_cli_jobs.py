@@ -185,7 +185,7 @@ def test_run_samples_a_batch_of_prompts_of_different_lengths(checkpoints):
     assert res["rows"][1]["tokens"][1:] == [62, 0, 0, 0]  # the stop token, then --pad-token-id
     assert res["tokens"] == [row["tokens"] for row in res["rows"]]  # several prompts: lists per row
     assert res["options"] == {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3,
-                              "eos_token_id": [62], "pad_token_id": 0}
+                              "eos_token_id": [62], "pad_token_id": 0, "engine": "auto"}
     assert out["ledger"]["collectives"] and out["ledger"]["ledger_bytes_per_rank"] == \
         out["ledger"]["predicted_bytes_per_rank"]
     gen = out["ledger"]["generation"]
@@ -248,6 +248,8 @@ RUN_API_ERRORS = [
     (dict(prompt_ids=[1, 2], prompt="hi"), "give the prompts as text (--prompt) or as token ids (--prompt-ids), not both"),
     (dict(prompt_ids=[[1] * 40, [2]], max_new_tokens=30), "the longest prompt plus --max-new-tokens (70 tokens)"),
     (dict(max_new_tokens=0), "--max-new-tokens must be a positive integer, got 0"),
+    (dict(engine="fast"), "--engine must be one of auto, lean, hf, got 'fast'"),
+    (dict(engine="lean"), "--engine lean runs llama, mistral, qwen2 models; gpt2 is a 'gpt2' model"),
 ]
 
 
@@ -350,6 +352,7 @@ RUN_ERRORS = [
      "eos_token_id must be a token id or a list of them, each in [0, 130); got [5, 6, 130]"),
     (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--prompt-ids", ""], "invalid (prompt 2 of 2): []"),
     (["run", "--model", "{llama}", "--top-k", "five"], "argument --top-k: invalid int value: 'five'"),
+    (["run", "--model", "{llama}", "--engine", "fast"], "argument --engine: invalid choice: 'fast'"),
     (["run", "--model", "/nonexistent/dir"], "model directory '/nonexistent/dir' does not exist"),
 ]
 

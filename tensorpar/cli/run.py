@@ -30,6 +30,9 @@ def add_parser(sub) -> None:
                    help="a stop token id, or comma-separated ids (repeatable): a row that produces one stops")
     g.add_argument("--pad-token-id", type=int, default=None,
                    help="what follows a stopped row's stop token, and the left padding (default: the first stop token)")
+    g.add_argument("--engine", default="auto", choices=("auto", "lean", "hf"),
+                   help="the split model's forward while generating: lean (tensorpar's, Llama/Mistral/Qwen2), "
+                        "hf (the model's own), auto (lean where it applies; default)")
     p.add_argument("--dtype", default="float32", help="float32 (default), float64, bfloat16, float16")
     p.add_argument("--backend", default="auto", help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -60,7 +63,8 @@ def main(args) -> int:
                      sentences=args.sentence, prompt=args.prompt, prompt_ids=_prompt_ids(args.prompt_ids),
                      max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                     eos_token_id=_stop_ids(args.eos_token_id), pad_token_id=args.pad_token_id, phase=phase)
+                     eos_token_id=_stop_ids(args.eos_token_id), pad_token_id=args.pad_token_id,
+                     engine=args.engine, phase=phase)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0 if report.ok else 1
     if args.json:

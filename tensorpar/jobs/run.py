@@ -71,7 +71,8 @@ class RunReport:
 def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "auto",
         sentences=None, prompt=None, prompt_ids=None, max_new_tokens: int = 16,
         do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
-        seed: int = 0, eos_token_id=None, pad_token_id: int | None = None, phase=no_phase) -> RunReport:
+        seed: int = 0, eos_token_id=None, pad_token_id: int | None = None, engine: str = "auto",
+        phase=no_phase) -> RunReport:
     """Shard ``model_dir`` (default: the packaged all-MiniLM-L6-v2) over ``tp`` local ranks.
 
     Encoders embed ``sentences``. Decoders continue ``prompt`` (a text or a list of texts) or
@@ -87,7 +88,7 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
         parse_dtype(dtype)
         fixes = check_tp(ckpt, tp)
         options = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p,
-                   "seed": seed, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+                   "seed": seed, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "engine": engine}
         task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options)
         backend = dist.resolve_backend(backend, tp)
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}

@@ -3,7 +3,8 @@ generated on every rank (and by the unsplit model on rank 0), compared row by ro
 
 The options are :func:`tensorpar.models.generation.generate`'s, under the same names, passed to
 it unchanged: several prompts of different lengths (left-padded by ``generate``), ``do_sample``,
-``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id`` (one or several), ``pad_token_id``.
+``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_id`` (one or several), ``pad_token_id``,
+``engine`` (the split model's forward; the unsplit reference always runs its own).
 They are checked before any rank starts by the rules ``generate`` applies (its ``Sampler``, its
 stop tokens), against the checkpoint's ``config.json``. The split and the unsplit model draw the
 same token from the same logits (the same sampler and seed), so each row's tokens must be equal.
@@ -29,7 +30,8 @@ NOT_PREDICTED = ("top-p sampling without top_k gathers every logit at each step 
 def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict) -> dict:
     """The spec of a generation run: ``ValueError`` naming the value and its valid range for
     anything a rank would refuse. ``options``: ``generate``'s keyword arguments (see the module)."""
-    from tensorpar.models.generation import _stop_ids
+    from tensorpar.models.generation import ENGINES, _stop_ids
+    from tensorpar.models.lean import FAMILIES
     from tensorpar.models.sampling import Sampler
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -41,6 +43,12 @@ def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict
     pad = options["pad_token_id"]
     if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < vocab):
         raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad!r}")
+    engine = options.get("engine", "auto")
+    if engine not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "lean" and ckpt.config.get("model_type") not in FAMILIES:
+        raise ValueError(f"--engine lean runs {', '.join(FAMILIES)} models; {ckpt.path.name} is a "
+                         f"{ckpt.config.get('model_type')!r} model (--engine auto uses its own forward)")
     rows = prompt_rows(ckpt, prompt, prompt_ids)
     check_length(ckpt, max(map(len, rows)) + max_new_tokens, "the longest prompt plus --max-new-tokens")
     return {"task": "generation", "prompt_ids": rows, "max_new_tokens": max_new_tokens,
@@ -108,10 +116,14 @@ def _tokenize(path: Path, texts: list) -> list[list[int]]:
 @torch.no_grad()
 def generate_rows(model, spec) -> dict:
     """The compared forward of the (left-padded) prompts, then ``generate`` under a ledger of its
-    own, then again with the logits of every step, off the record."""
+    own, then again with the logits of every step, off the record. The split model runs
+    ``generate``'s default engine (the lean forward where it applies); the unsplit one, the
+    reference, its own forward (``engine="hf"``): the comparison shares no forward code."""
     from tensorpar.models.generation import generate, prompts
 
     rows, n, options = spec["prompt_ids"], spec["max_new_tokens"], spec["options"]
+    if getattr(model, "tp_report", None) is None:
+        options = {**options, "engine": "hf"}
     ids, mask = prompts(rows, None, 0, model.config.vocab_size)  # (B, T): the pad id is masked out
     logits = _forward(model, ids, mask)  # (tokens, V): the real positions only
     # Generation's own collectives (one forward per token, each rank's candidates exchanged) go to
