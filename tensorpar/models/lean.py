@@ -34,7 +34,7 @@ from tensorpar import dist
 from tensorpar.dist.ledger import active_ledger
 from tensorpar.nn import regions
 from tensorpar.nn.attention import ReplicatedHeadLinear
-from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear
+from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 FAMILIES = ("llama", "mistral", "qwen2")
 # Rotary types whose frequencies do not change with the sequence: the model's own rotary module is
@@ -155,6 +155,9 @@ class LeanDecoder:
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed, self.norm, self.rope = base.embed_tokens, base.norm, rope
+        embed = self.embed  # a vocabulary split without hooks: its lookup, then one all-reduce in place
+        self.embed_split = (type(embed) is VocabParallelEmbedding and embed.tp_size > 1
+                            and not embed.sequence_parallel and regions.same_forward(embed))
         self.layers = [_Layer(layer, f"model.layers.{i}", self.head_dim, cfg.hidden_size)
                        for i, layer in enumerate(base.layers)]
         self.head = _head(model.lm_head)
@@ -177,7 +180,7 @@ class LeanDecoder:
         start, L = cache.length, cache.length + T
         if L > cache.capacity:
             raise ValueError(f"the cache holds {cache.capacity} positions; this step needs {L}")
-        x = self.embed(ids)                                              # (B, T, H)
+        x = self._embed(ids)                                             # (B, T, H)
         cos, sin = self.rope(x, positions)                               # (B, T, hd) each
         rot = (cos[:, None], (sin * self.sign.to(sin.dtype))[:, None])  # (B, 1, T, hd) each
         allowed = _allowed(mask, start, T, L)                            # (B, 1, T, L) bool or None
@@ -188,6 +191,16 @@ class LeanDecoder:
         cache.length = L
         h = self.norm(x.view(B, T, -1)[:, -1])                           # (B, H): the last position only
         return _mm(h, self.head)                                         # (B, V or V/tp)
+
+    def _embed(self, ids):
+        """``E[ids]``; ids in range (the caller's check: ``generate`` checks the prompts, and it
+        chooses every new token from the vocabulary)."""
+        if not self.embed_split:
+            return self.embed(ids)
+        x = self.embed.partial_lookup(ids)                               # (B, T, H) partial
+        led = active_ledger()
+        dist.all_reduce(x, group=self.embed.tp_group, module=None if led is None else led.name_of(self.embed))
+        return x
 
     def _attention(self, lay, a, B, rot, cache, i, start, allowed):
         T, hd = a.shape[0] // B, self.head_dim

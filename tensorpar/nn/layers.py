@@ -342,18 +342,24 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = _param(_rows(weight, start, end, self.num_embeddings_per_partition),
                                  requires_grad)  # (V/p, H)
 
+    def partial_lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``E[ids]``, zeros for the ids other ranks hold: ``(B, T, H)``, a
+        partial sum (ids not checked: :meth:`forward` checks them first)."""
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # (B, T)
+        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
+        out_partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (B, T, H)
+        return out_partial.masked_fill_(outside.unsqueeze(-1), 0.0)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         check_ids(ids, self.num_embeddings)
         if self.sequence_parallel:
             check_seq_divisible(ids, 1, self.tp_size, type(self).__name__)
-        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)  # (B, T)
-        local_ids = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        out_partial = F.embedding(local_ids, self.weight, self._local_padding_idx)  # (B, T, H)
-        out_partial = out_partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        out_partial = self.partial_lookup(ids)  # (B, T, H)
         if self.sequence_parallel:
             return dist.reduce_scatter_to_sequence_parallel_region(out_partial,
                                                                    group=self.tp_group, dim=1)
-        return dist.reduce_from_tp_region(out_partial, group=self.tp_group)  # (B, T, H)
+        # the lookup's own fresh output, which its backward does not read: summed in place
+        return dist.reduce_from_tp_region(out_partial, group=self.tp_group, in_place=True)  # (B, T, H)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, "
