@@ -101,9 +101,10 @@ def test_decode_bench_rows_time_every_variant_on_the_same_tokens():
     rows = run_decode_bench(3, sizes=QUICK["sizes"], batches=(2,), new=6)
     assert [r["batch"] for r in rows] == [2]
     for r in rows:
-        assert set(r["per_token_s"]) == {"shm", "gloo", "hf_tp", "dense_2t"}
+        assert set(r["per_token_s"]) == {"shm", "shm_hf", "gloo", "hf_tp", "dense_2t", "dense_lean_2t"}
         assert all(len(v) == 3 for v in r["samples_per_token_s"].values())
-        assert r["same_tokens_as_dense"] == {"shm": True, "gloo": True, "hf_tp": True}
+        assert r["same_tokens_as_dense"] == {"shm": True, "shm_hf": True, "gloo": True, "hf_tp": True,
+                                             "dense_lean_2t": True}
         per_round = sorted(a / b for a, b in zip(r["samples_per_token_s"]["shm"], r["samples_per_token_s"]["hf_tp"]))
         assert r["shm_vs_hf_tp"] == pytest.approx(per_round[1], rel=1e-12)
         assert 0 < r["planner_bound_s"]

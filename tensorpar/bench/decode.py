@@ -3,11 +3,16 @@
 Variants, interleaved round by round (:func:`~tensorpar.bench.timing.interleaved`), each timed
 on the slowest rank, at batch 1 and 8, a 32-token prompt and 32 greedy tokens:
 
-- ``shm``: tensorpar (``load_sharded``) on a group over shared memory (:mod:`tensorpar.dist.shm`);
-- ``gloo``: the same on the gloo world group (loopback TCP);
+- ``shm``: tensorpar (``load_sharded``) on a group over shared memory (:mod:`tensorpar.dist.shm`),
+  ``tensorpar.generate`` with its default engine: the lean forward (:mod:`tensorpar.models.lean`);
+- ``shm_hf``: the same split model stepped through Hugging Face's forward (``engine="hf"``);
+- ``gloo``: the lean forward on the gloo world group (loopback TCP);
 - ``hf_tp``: Hugging Face ``from_pretrained(..., tp_plan="auto")`` and its ``generate``;
-- ``dense_2t``: the unsplit model on rank 0 with 2 threads, ``tensorpar.generate`` (the same
-  decoding loop), the other rank idle.
+- ``dense_2t``: the unsplit model on rank 0 with 2 threads, through its own (Hugging Face)
+  forward in the same decoding loop (``engine="hf"``), the other rank idle: the model as a user
+  runs it, the baseline the issue names;
+- ``dense_lean_2t``: the unsplit model through the lean forward, 2 threads: what the lean
+  forward alone gives, without tensor parallelism.
 
 The time per token of a round is ``(t(32 tokens) - t(1 token)) / 31``: the prompt step cancels.
 Ratios are medians over rounds of two variants' per-token times in the same round. Beside them:
@@ -35,7 +40,7 @@ from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
 from tensorpar.models.testing import BENCH_LLAMA
 
 PROMPT, NEW, BATCHES = 32, 32, (1, 8)
-VARIANTS = ("shm", "gloo", "hf_tp", "dense_2t")
+VARIANTS = ("shm", "shm_hf", "gloo", "hf_tp", "dense_2t", "dense_lean_2t")
 QUICK = dict(sizes=dict(BENCH_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
              batches=(1, 2), new=8)
@@ -92,21 +97,26 @@ def _hf_tp(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
 
 
+# variant -> (model, engine of tensorpar.generate, or None for Hugging Face's generate)
+_SETUP = {"shm": ("shm", "auto"), "shm_hf": ("shm", "hf"), "gloo": ("gloo", "auto"), "hf_tp": ("hf_tp", None),
+          "dense_2t": ("dense", "hf"), "dense_lean_2t": ("dense", "lean")}
+
+
 def _runs(models: dict, ids, new: int) -> dict:
     """``{variant: (prefill, full)}``: functions generating 1 and ``new`` tokens; each returns the ids."""
     from tensorpar.models.generation import generate
 
-    def ours(model, n):
-        return lambda: generate(model, ids, n)
+    def ours(model, engine, n):
+        return lambda: generate(model, ids, n, engine=engine)
 
     def hf(model, n):
         mask = torch.ones_like(ids)
         return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0)
     out = {}
-    for name, model in models.items():
-        make = hf if name == "hf_tp" else ours
-        out[name] = (make(model, 1), make(model, new))
+    for name in VARIANTS:
+        model, engine = models[_SETUP[name][0]], _SETUP[name][1]
+        out[name] = tuple(hf(model, n) if engine is None else ours(model, engine, n) for n in (1, new))
     return out
 
 
@@ -133,12 +143,14 @@ def bench_batch(models: dict, path, hw, batch: int, new: int, repeats: int, voca
     ids = torch.randint(0, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
     runs = _runs(models, ids, new)
     want = runs["dense_2t"][1]() if dist.get_rank() == 0 else None
-    got = {name: full() for name, (_, full) in runs.items() if name != "dense_2t"}  # every rank takes part
+    got = {name: full() for name, (_, full) in runs.items() if not name.startswith("dense")}  # every rank takes part
+    if dist.get_rank() == 0:
+        got["dense_lean_2t"] = runs["dense_lean_2t"][1]()
     same = {name: torch.equal(ids_[:, -new:], want[:, -new:]) if want is not None else None
             for name, ids_ in got.items()}
     variants = {}
     for name, (prefill, full) in runs.items():
-        wrap = on_rank0_with_threads if name == "dense_2t" else (lambda fn: fn)
+        wrap = on_rank0_with_threads if name.startswith("dense") else (lambda fn: fn)
         variants[f"{name}:1"], variants[f"{name}:{new}"] = wrap(prefill), wrap(full)
     samples = interleaved(variants, repeats)
     per_token = {name: [(b - a) / (new - 1) for a, b in zip(samples[f"{name}:1"], samples[f"{name}:{new}"])]
@@ -146,7 +158,8 @@ def bench_batch(models: dict, path, hw, batch: int, new: int, repeats: int, voca
     row = {"batch": batch, "prompt": PROMPT, "new_tokens": new, "rounds": repeats,
            "per_token_s": medians(per_token), "samples_per_token_s": per_token,
            "same_tokens_as_dense": same, "planner_bound_s": _bound(path, hw, batch)}
-    for a, b in (("shm", "hf_tp"), ("shm", "dense_2t"), ("shm", "gloo"), ("gloo", "hf_tp"), ("hf_tp", "dense_2t")):
+    for a, b in (("shm", "hf_tp"), ("shm", "dense_2t"), ("shm", "dense_lean_2t"), ("shm", "shm_hf"), ("shm", "gloo"),
+                 ("gloo", "hf_tp"), ("hf_tp", "dense_2t"), ("dense_lean_2t", "dense_2t")):
         if a in per_token and b in per_token:
             row[f"{a}_vs_{b}"] = sorted(x / y for x, y in zip(per_token[a], per_token[b]))[len(per_token[a]) // 2]
     for name in ("shm", "gloo"):
@@ -169,11 +182,11 @@ def decode_worker(path, repeats: int, batches, new: int) -> list:
     models = {"shm": load_sharded(path, tp_group=shm_group, dtype=torch.float32)[0],
               "gloo": load_sharded(path, dtype=torch.float32)[0],
               "hf_tp": _hf_tp(path),
-              "dense_2t": AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
+              "dense": AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
     for model in models.values():
         model.eval()
     hw = this_machine(shm_group)
-    vocab = models["dense_2t"].config.vocab_size
+    vocab = models["dense"].config.vocab_size
     with torch.no_grad():
         rows = [bench_batch(models, path, hw, b, new, repeats, vocab) for b in batches]
     return [{**r, "hardware": hw.to_dict()} for r in rows]

@@ -59,16 +59,17 @@ def models_table(rows: list[dict]) -> str:
 def decode_table(rows: list[dict]) -> str:
     """One row per batch size: time per token of each variant, the ratios the issue sets targets
     for, the planner's bound for this machine, and the share of a step in collectives."""
-    head = ("| batch | shm | gloo | HF tp_plan | dense, 2 threads | shm / HF TP | shm / dense | "
-            "planner bound (this machine) | shm: in collectives | gloo: in collectives | "
-            "collectives, bytes per token | same tokens as dense |\n"
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n")
+    head = ("| batch | shm | shm, HF forward | gloo | HF tp_plan | dense, 2 threads | dense lean, 2 threads | "
+            "shm / HF TP | shm / dense | shm / dense lean | planner bound (this machine) | shm: in collectives | "
+            "gloo: in collectives | collectives, bytes per token | same tokens as dense |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n")
     lines = []
     for r in rows:
         t, shm, gloo = r["per_token_s"], r["shm_collectives"], r["gloo_collectives"]
         same = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["same_tokens_as_dense"].items())
-        lines.append(f"| {r['batch']} | {_ms(t['shm'])} | {_ms(t['gloo'])} | {_ms(t['hf_tp'])} | {_ms(t['dense_2t'])} | "
-                     f"**{r['shm_vs_hf_tp']:.2f}** | **{r['shm_vs_dense_2t']:.2f}** | {_ms(r['planner_bound_s'])} | "
+        times = " | ".join(_ms(t[name]) for name in ("shm", "shm_hf", "gloo", "hf_tp", "dense_2t", "dense_lean_2t"))
+        lines.append(f"| {r['batch']} | {times} | **{r['shm_vs_hf_tp']:.2f}** | **{r['shm_vs_dense_2t']:.2f}** | "
+                     f"{r['shm_vs_dense_lean_2t']:.2f} | {_ms(r['planner_bound_s'])} | "
                      f"{_share(shm)} | {_share(gloo)} | {shm['collectives_per_token']:g}, "
                      f"{shm['bytes_sent_per_token']:g} B | {same} |")
     return head + "\n".join(lines) + "\n"
