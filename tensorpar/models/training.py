@@ -12,7 +12,9 @@ tp / n_kv_heads for a replicated KV head),
 
 counts every parameter exactly once with one all-reduce of one number. A fused projection's shard
 that holds a replicated KV head beside its own query heads (``p.tp_row_replicas = (rows, r)``)
-counts those rows ``1 / r`` each.
+counts those rows ``1 / r`` each. Under data parallelism (``parallelize(mesh=...)``): with DDP every
+dp rank holds the same (averaged) gradients, so the tp sum is already the norm; with FSDP each dp
+rank holds other rows of its tp shard, and a second all-reduce over dp adds them.
 """
 from __future__ import annotations
 
@@ -64,27 +66,46 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
 
     restore_tags(model)  # a deep copy of a parallelized model: its parameters' replica counts
     group, tp_size = _group(model)
+    report = getattr(model, "tp_report", None)
+    fsdp = report is not None and report.data_parallel == "fsdp"
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         raise ValueError("no parameter has a gradient; call backward() before clip_grad_norm_")
-    sq = sum(_share_of_square(p) for p in params).reshape(1)  # (1,)
+    first_row = _first_row(report) if fsdp else None
+    sq = sum(_share_of_square(p, first_row) for p in params).reshape(1)  # (1,)
     if tp_size > 1:
         dist.all_reduce(sq, group=group)  # sum of every rank's share
+    if fsdp:  # each dp rank holds other rows of the same tp shard: their squares add up
+        dist.all_reduce(sq, group=report.dp_group)
     total = sq.sqrt()[0]
     coef = (max_norm / (total + eps)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.dtype))
+        _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
 
 
-def _share_of_square(p) -> torch.Tensor:
-    """This rank's share of ``||g_p||^2``: divided by the ranks holding the same values."""
-    g = p.grad.to(torch.float64)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a gradient (FSDP's are DTensors sharded over dp)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _first_row(report):
+    """``rows -> first row this dp rank holds``: FSDP2 splits dim 0 as ``torch.chunk`` does."""
+    d, dp = dist.get_rank(report.dp_group), report.dp_size
+    return lambda rows: d * -(-rows // dp)
+
+
+def _share_of_square(p, first_row=None) -> torch.Tensor:
+    """This rank's share of ``||g_p||^2``: divided by the ranks holding the same values (under
+    FSDP, of the rows of its tp shard that this dp rank holds)."""
+    g = _local(p.grad).to(torch.float64)
     sq = g.pow(2).sum() / getattr(p, "tp_replicas", 1)
     rows = getattr(p, "tp_row_replicas", None)
     if rows is not None:
         pieces, r = rows
-        shared = sum(g[a:b].pow(2).sum() for a, b in pieces)
+        start = first_row(p.shape[0]) if first_row is not None else 0  # p.shape: the whole tp shard
+        local = [(max(a - start, 0), min(b - start, g.shape[0])) for a, b in pieces]
+        shared = sum(g[a:b].pow(2).sum() for a, b in local if a < b)
         sq = sq - shared * (1 - 1 / r)
     return sq
 

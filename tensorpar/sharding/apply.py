@@ -26,6 +26,7 @@ from torch import nn
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
 from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R
+from tensorpar.sharding import mesh as data_mesh
 from tensorpar.sharding.certify import certify
 from tensorpar.sharding.feasibility import report as feasibility_report
 from tensorpar.sharding.plan import base_prefix
@@ -37,8 +38,8 @@ _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Re
 MAX_ATTEMPTS = 8  # build -> prove rounds: each one leaves at least one more unit whole
 
 
-def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=None,
-                prove: bool = True) -> nn.Module:
+def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data_parallel: str | None = None,
+                example_inputs=None, prove: bool = True) -> nn.Module:
     """Shard ``model`` over the ranks of ``tp_group`` (None: world) following ``plan``; return it.
 
     ``plan``: ``"auto"`` (the registry's plan for ``config.model_type``, else the model's own
@@ -48,10 +49,18 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
     model against the dense one on example inputs before returning (forward and backward,
     every parameter's gradient; every rank takes part); a block that fails is left whole
     (``"auto"``) or raises ``ValueError`` (a dict). What was done is in ``model.tp_report``.
+
+    ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` instead of ``tp_group``: tensor
+    parallelism inside ``mesh["tp"]``, data parallelism across ``mesh["dp"]`` by PyTorch's own
+    engines, ``data_parallel="ddp"`` (replicated, ZeRO-0) or ``"fsdp"`` (FSDP2, ZeRO-3); see
+    :mod:`tensorpar.sharding.mesh`. Each dp rank then trains on its own slice of the batch.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_dense(model)
+    data_mesh.check_args(mesh, tp_group, data_parallel)
+    if mesh is not None:
+        tp_group = data_mesh.tp_group_of(mesh)
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     params_total = sum(p.numel() for p in model.parameters())
     res = R.resolve(model, plan, tp_size, example_inputs)
@@ -81,6 +90,10 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, example_inputs=
     model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
+    if data_parallel is not None:
+        data_mesh.apply(model, mesh, data_parallel)
+        model.tp_report.data_parallel, model.tp_report.dp_group = data_parallel, mesh["dp"].get_group()
+        model.tp_report.dp_size = mesh["dp"].size()
     return model
 
 

@@ -32,6 +32,9 @@ class ParallelizeReport:
     layer_params_total: int = 0  # parameters of the transformer blocks, unsplit
     layer_params_per_rank: int = 0
     layers_replicated: list = field(default_factory=list)  # [(module, params)] left whole in the blocks
+    data_parallel: str | None = None  # "ddp" or "fsdp" across dp_group (parallelize(mesh=...))
+    dp_group: object = None
+    dp_size: int = 1
 
     @classmethod
     def of(cls, model, res, tp_group, tp_size, tp_rank, params_total, *, proved) -> "ParallelizeReport":
@@ -79,5 +82,5 @@ class ParallelizeReport:
                 "grad_sync": list(self.grad_sync), "proved": self.proved, "status": self.status,
                 "layer_share": self.layer_share, "layers_replicated": [list(x) for x in self.layers_replicated],
                 "params_total": self.params_total, "params_per_rank": self.params_per_rank,
-                "param_fraction": self.param_fraction,
+                "param_fraction": self.param_fraction, "data_parallel": self.data_parallel, "dp_size": self.dp_size,
                 "feasibility": None if self.feasibility is None else self.feasibility.to_dict()}

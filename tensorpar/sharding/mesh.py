@@ -1,0 +1,64 @@
+"""Data parallelism around tensor parallelism, on a ``DeviceMesh`` with ``("dp", "tp")`` dimensions.
+
+Tensor parallelism runs inside ``mesh["tp"]`` (tensorpar's own layers and collectives); data
+parallelism runs across ``mesh["dp"]`` through PyTorch's own engines, never hand-written gradient
+averaging:
+
+- ``"ddp"`` (ZeRO-0): ``torch.distributed._composable.replicate``, DistributedDataParallel
+  applied in place (the module keeps its class and its ``tp_report``): every dp rank holds its
+  tp shard whole, and backward all-reduces (averages) the gradients over ``dp`` in DDP's buckets;
+- ``"fsdp"`` (ZeRO-3): FSDP2 ``fully_shard`` on every transformer block, then on the model: each
+  dp rank holds ``1/dp`` of its tp shard (dim 0, ``torch.chunk``'s rule), all-gathered before a
+  block runs and freed after; backward reduce-scatters (averages) the gradients over ``dp``.
+
+Each rank's batch is its own slice of the global batch: with equal slices the dp average of the
+per-rank mean losses' gradients is the gradient of the global mean loss.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+DATA_PARALLEL = ("ddp", "fsdp")
+_DIMS = (("dp", "tp"), ("tp",))  # data parallelism alone: ("dp", "tp") with tp 1
+
+
+def check_args(mesh, tp_group, data_parallel) -> None:
+    """The mesh and the data-parallel choice, before any collective: ``ValueError`` naming them."""
+    if data_parallel is not None and data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)} or None, got {data_parallel!r}")
+    if mesh is None:
+        if data_parallel is not None:
+            raise ValueError(f"data_parallel={data_parallel!r} needs mesh=, a DeviceMesh with a 'dp' dimension")
+        return
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if tp_group is not None:
+        raise ValueError("pass mesh= or tp_group=, not both (the mesh's 'tp' dimension is the tp group)")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in _DIMS:
+        raise ValueError(f"mesh dimensions must be named ('dp', 'tp') or ('tp',); got {names or None} "
+                         f"(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); tp may be 1)")
+    if data_parallel is None and "dp" in names and mesh["dp"].size() > 1:
+        raise ValueError(f"the mesh has a 'dp' dimension of {mesh['dp'].size()}: choose data_parallel='ddp' "
+                         f"(replicated) or 'fsdp' (fully sharded)")
+
+
+def tp_group_of(mesh):
+    """The process group tensor parallelism runs in: the mesh's ``tp`` dimension."""
+    return mesh["tp"].get_group()
+
+
+def apply(model: nn.Module, mesh, data_parallel: str) -> None:
+    """Wrap ``model`` (already tensor-parallel in ``mesh["tp"]``) for data parallelism over ``mesh["dp"]``."""
+    dp_mesh = mesh["dp"]
+    if data_parallel == "ddp":
+        from torch.distributed._composable.replicate import replicate
+        replicate(model, process_group=dp_mesh.get_group())
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    from tensorpar.sharding.probes import blocks
+    for _, block in blocks(model):
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)

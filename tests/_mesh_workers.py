@@ -1,0 +1,78 @@
+"""Workers for tests/test_models_mesh.py (spawned ranks import them)."""
+import copy
+import warnings
+
+import torch
+import torch.distributed as tdist
+
+from tensorpar import dist
+from tensorpar.apply import parallelize
+from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.training import causal_lm_loss, train_step
+
+STEPS, BATCH, SEQ = 20, 4, 8
+LR, DECAY, MAX_NORM = 3e-3, 0.1, 0.5  # the norm of the tiny llama's gradient is ~1-3: clipping acts
+
+
+def batches(vocab: int) -> list:
+    """The global batch of every step, the same on every rank (and in the reference)."""
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randint(0, vocab, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def reference(dense, steps) -> dict:
+    """The unsplit model in this process, the global batch, AdamW, torch's own clipping."""
+    model = copy.deepcopy(dense).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    losses, norms = [], []
+    for ids in steps:
+        opt.zero_grad(set_to_none=True)
+        loss = causal_lm_loss(model, ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "model": model}
+
+
+def mesh_worker(layouts):
+    """For each ``(dp, tp, data_parallel)``: 20 AdamW steps with clipping on a (dp, tp) mesh, each
+    dp rank on its slice of the global batch; the loss (averaged over dp), the clipped norm and the
+    trained model's logits against :func:`reference`."""
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+    dense = make_tiny_model("llama", seed=5)
+    steps = batches(dense.config.vocab_size)
+    ref = reference(dense, steps)
+    probe = torch.randint(0, dense.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref_logits = ref["model"].eval()(input_ids=probe).logits
+        moved = ((ref_logits - dense(input_ids=probe).logits).abs().max() / ref_logits.abs().max()).item()
+    out = {}
+    for dp, tp, kind in layouts:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = parallelize(copy.deepcopy(dense), mesh=mesh, data_parallel=kind).train()
+        types = sorted({type(p).__name__ for p in model.parameters()})  # before a forward: FSDP's root
+        # keeps its parameters unsharded after one (reshard_after_forward is off at the root)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+        d = mesh["dp"].get_local_rank()
+        rows = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
+        losses, norms = [], []
+        for ids in steps:
+            res = train_step(model, opt, ids[rows], max_norm=MAX_NORM)
+            loss = torch.tensor([res["loss"]], dtype=torch.float64)
+            dist.all_reduce(loss, group=mesh["dp"].get_group())  # the mean over equal slices
+            losses.append(loss.item() / dp)
+            norms.append(res["grad_norm"])
+        with torch.no_grad():
+            logits = model.eval()(input_ids=probe).logits
+        out[(dp, tp, kind)] = {
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+            "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+            "logits_err": ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item(),
+            "clipped_steps": sum(n > MAX_NORM for n in ref["norms"]),
+            "trained_moved": moved,  # the trained model's logits against the initial model's
+            "report": (model.tp_report.data_parallel, model.tp_report.dp_size, model.tp_report.tp_size),
+            "param_types": types,
+            "rank": tdist.get_rank()}
+    return out
