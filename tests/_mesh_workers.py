@@ -74,5 +74,6 @@ def mesh_worker(layouts):
             "trained_moved": moved,  # the trained model's logits against the initial model's
             "report": (model.tp_report.data_parallel, model.tp_report.dp_size, model.tp_report.tp_size),
             "param_types": types,
+            "transports": (dist.transport(mesh["dp"].get_group()), dist.transport(mesh["tp"].get_group())),
             "rank": tdist.get_rank()}
     return out

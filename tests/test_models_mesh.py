@@ -18,7 +18,7 @@ LAYOUTS = [(2, 2, "ddp"), (2, 2, "fsdp"), (1, 4, "ddp"), (4, 1, "fsdp")]
 
 @functools.lru_cache(maxsize=None)
 def results() -> list:
-    return dist.launch(W.mesh_worker, 4, LAYOUTS, backend="gloo", deadline=900)
+    return dist.launch(W.mesh_worker, 4, LAYOUTS, deadline=900)  # backend "auto": shared memory
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}")
@@ -29,6 +29,8 @@ def test_training_on_the_mesh_equals_the_single_process_run(layout):
         assert r["norm_err"] <= TOL, r
         assert r["logits_err"] <= TOL, r
         assert r["report"] == (layout[2], layout[0], layout[1])
+        # the mesh's groups over shared memory, as the launch's (a group of one moves nothing)
+        assert r["transports"] == tuple("shm" if n > 1 else "gloo" for n in layout[:2]), r["transports"]
 
 
 def test_the_training_case_has_power():

@@ -65,8 +65,18 @@ class ShmProcessGroup(tdist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
+        self._name = ""
         self._gloo = tdist.ProcessGroupGloo(store, rank, size, timeout)
         self.segment, self.why_not = _attach(store, rank, size, timeout)
+
+    # torch names a group on its backends, and a Python process group has none: it keeps its own
+    # name, which a DeviceMesh reads to find the group again (init_device_mesh on these ranks)
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return BACKEND
