@@ -17,6 +17,9 @@ _LAZY = {
     "ring_allreduce_bytes": "tensorpar.reference",
     "parallelize": "tensorpar.sharding.apply",
     "audit": "tensorpar.sharding.audit",
+    "save": "tensorpar.models.saving",
+    "load": "tensorpar.models.saving",
+    "export": "tensorpar.models.saving",
 }
 
 __all__ = [*_LAZY, "__version__"]

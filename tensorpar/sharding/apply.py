@@ -24,9 +24,9 @@ from dataclasses import replace
 from torch import nn
 
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar.dist import mesh as data_mesh
 from tensorpar.nn.layers import tp_info
 from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R
-from tensorpar.sharding import mesh as data_mesh
 from tensorpar.sharding.certify import certify
 from tensorpar.sharding.feasibility import report as feasibility_report
 from tensorpar.sharding.plan import base_prefix
@@ -53,7 +53,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` instead of ``tp_group``: tensor
     parallelism inside ``mesh["tp"]``, data parallelism across ``mesh["dp"]`` by PyTorch's own
     engines, ``data_parallel="ddp"`` (replicated, ZeRO-0) or ``"fsdp"`` (FSDP2, ZeRO-3); see
-    :mod:`tensorpar.sharding.mesh`. Each dp rank then trains on its own slice of the batch.
+    :mod:`tensorpar.dist.mesh`. Each dp rank then trains on its own slice of the batch.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
     if data_parallel is not None:
-        data_mesh.apply(model, mesh, data_parallel)
+        data_mesh.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
         model.tp_report.data_parallel, model.tp_report.dp_group = data_parallel, mesh["dp"].get_group()
         model.tp_report.dp_size = mesh["dp"].size()
     return model

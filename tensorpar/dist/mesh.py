@@ -49,16 +49,15 @@ def tp_group_of(mesh):
     return mesh["tp"].get_group()
 
 
-def apply(model: nn.Module, mesh, data_parallel: str) -> None:
-    """Wrap ``model`` (already tensor-parallel in ``mesh["tp"]``) for data parallelism over ``mesh["dp"]``."""
+def apply(model: nn.Module, mesh, data_parallel: str, blocks=()) -> None:
+    """Wrap ``model`` (already tensor-parallel in ``mesh["tp"]``) for data parallelism over
+    ``mesh["dp"]``; ``blocks``: its transformer blocks, each its own FSDP unit."""
     dp_mesh = mesh["dp"]
     if data_parallel == "ddp":
         from torch.distributed._composable.replicate import replicate
         replicate(model, process_group=dp_mesh.get_group())
         return
     from torch.distributed.fsdp import fully_shard
-
-    from tensorpar.sharding.probes import blocks
-    for _, block in blocks(model):
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

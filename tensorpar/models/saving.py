@@ -1,0 +1,247 @@
+"""Checkpoints of a parallelized model and its optimizer, on PyTorch's distributed checkpoint (DCP).
+
+What is written does not depend on the layout. Every parameter, and every optimizer state shaped
+like it, is stored as the *dense* tensor it is a piece of, under the parameter's name (for a
+Hugging Face model: its checkpoint key): each rank contributes the blocks it holds, with their
+offsets in the dense tensor (its :class:`~tensorpar.sharding.spec.ShardSpec` pieces; under FSDP
+the dp rank's rows of them; zero padding never). Nothing is gathered: every rank writes its own
+blocks (a block several ranks hold, as a replicated tensor, is written once, by DCP's plan).
+Loading asks each rank's blocks in its own layout, and DCP reads them from whatever blocks were
+written: a checkpoint saved at dp 2 x tp 2 loads at tp 4, tp 1 or dp 4. DCP's own tools read it
+(its ``format_utils.dcp_to_torch_save`` gives the dense state dict). The DCP calls themselves are
+in :mod:`tensorpar.dist.dcp`.
+
+Atomic: a save writes into a hidden folder, and only when every rank has finished does rank 0
+write its ``COMPLETE`` record, move it to ``step-NNNNNNNN`` and replace the ``latest`` pointer
+(``os.replace``). A save interrupted anywhere leaves ``latest`` on the previous checkpoint; the
+unfinished folder has no ``COMPLETE`` and is never read.
+
+Also stored: the step, the optimizer's hyperparameters, and each rank's torch RNG state (restored
+when the world size is the same).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+import torch
+
+from tensorpar import dist
+from tensorpar.dist import dcp
+from tensorpar.sharding.spec import ShardSpec
+
+LATEST, COMPLETE = "latest", "COMPLETE"
+
+
+def _dense_sizes(model, params) -> dict:
+    """``{name: dense size along the split dim}`` of every split parameter: the largest piece end
+    over the tp ranks (their pieces cover the dim), one all-reduce for all."""
+    split = [(n, p) for n, p in params if getattr(p, "tp_spec", None) is not None and p.tp_spec.is_shard]
+    if not split:
+        return {}
+    ends = torch.tensor([max(b for _, b in p.tp_spec.pieces) for _, p in split], dtype=torch.float64)
+    report = model.tp_report
+    if report.tp_size > 1:  # (split parameters exist only on a parallelized model)
+        dist.all_reduce(ends, group=report.tp_group, op="max")
+    return {n: int(e) for (n, _), e in zip(split, ends.tolist())}
+
+
+def _describe(t: torch.Tensor, p, dense_size: int | None, dp_rows) -> "dcp.Blocks":
+    """``t`` (the parameter or a state shaped like it, as this rank holds it) as dense blocks."""
+    spec = getattr(p, "tp_spec", None) or ShardSpec("")  # a model never parallelized: all whole
+    local = t.to_local() if hasattr(t, "to_local") else t
+    shape = list(t.shape)  # the tp shard's (FSDP: the whole of it)
+    if spec.transpose and len(shape) == 2:
+        if dp_rows is not None and hasattr(t, "to_local"):
+            raise ValueError(f"{spec.key}: a transposed (Conv1D) shard under FSDP is not supported by save/load yet")
+        local, shape = local.t(), shape[::-1]
+    sharded = dp_rows is not None and hasattr(t, "to_local")  # FSDP keeps an unsharded root as plain tensors
+    r0 = dp_rows(shape[0]) if sharded else 0  # this dp rank's first row of the tp shard
+    rows = (r0, r0 + local.shape[0]) if local.dim() else None
+    if not spec.is_shard:
+        return dcp.Blocks(shape, local.dtype, [((r0,) + (0,) * (len(shape) - 1) if shape else (), local)])
+    dim, dense = spec.dim, list(shape)
+    dense[dim] = dense_size
+    blocks, at = [], 0
+    for a, b in spec.pieces:
+        lo, hi, offset = at, at + (b - a), a  # the piece's span in the tp shard along dim
+        at = hi
+        if dim == 0:
+            lo2, hi2 = max(lo, rows[0]), min(hi, rows[1])
+            if lo2 < hi2:
+                blocks.append(((a + lo2 - lo,) + (0,) * (len(shape) - 1), local.narrow(0, lo2 - rows[0], hi2 - lo2)))
+            continue
+        offsets = [0] * len(shape)
+        offsets[0], offsets[dim] = rows[0], offset
+        blocks.append((tuple(offsets), local.narrow(dim, lo, hi - lo)))
+    return dcp.Blocks(dense, local.dtype, blocks)
+
+
+def _fsdp_rows(model):
+    report = getattr(model, "tp_report", None)
+    if report is None or report.data_parallel != "fsdp":
+        return None
+    d, dp = dist.get_rank(report.dp_group), report.dp_size
+    return lambda n: min(n, d * -(-n // dp))
+
+
+def _state(model, optimizer, step: int | None) -> dict:
+    """What DCP writes or fills: every parameter and optimizer state as dense blocks, the rest as is."""
+    from tensorpar.sharding.commit import restore_tags
+    if callable(getattr(model, "reshard", None)):  # FSDP: the root's parameters back to their dp shards
+        model.reshard()
+    restore_tags(model)
+    params = list(model.named_parameters())
+    sizes, rows = _dense_sizes(model, params), _fsdp_rows(model)
+    out = {f"model.{n}": _describe(p.data if not hasattr(p, "to_local") else p, p, sizes.get(n), rows)
+           for n, p in params}
+    if optimizer is not None:
+        names = {id(p): n for n, p in params}
+        for p, st in optimizer.state.items():
+            for k, v in st.items():
+                key = f"optim.{names[id(p)]}.{k}"
+                shaped = isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) == tuple(p.shape)
+                out[key] = _describe(v, p, sizes.get(names[id(p)]), rows) if shaped else v
+        out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    out["step"] = step
+    out[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
+    return out
+
+
+def save(model, optimizer, path, *, step: int) -> Path:
+    """Every rank calls it: ``path/step-NNNNNNNN`` written and made ``path/latest`` (see the module).
+    Returns the checkpoint's folder."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    root = Path(path)
+    nonce = [secrets.token_hex(4)] if dist.get_rank() == 0 else [None]
+    nonce = dist.broadcast_object(nonce[0])
+    tmp = root / f".step-{step:08d}.{nonce}.partial"
+    dcp.write(_state(model, optimizer, step), tmp)
+    dist.barrier()  # every rank's blocks are on disk
+    final = root / f"step-{step:08d}"
+    if dist.get_rank() == 0:
+        _commit(root, tmp, final, step)
+    dist.barrier()
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int) -> None:
+    (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": dist.get_world_size()}))
+    if final.exists():  # a save of the same step again: the new one replaces it
+        final.rename(root / f".{final.name}.{secrets.token_hex(4)}.old")
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.{secrets.token_hex(4)}"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / LATEST)
+
+
+def resolve(path) -> Path:
+    """The complete checkpoint folder ``path`` names (a root with ``latest``, or a step folder);
+    ``ValueError`` naming what is missing otherwise."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"checkpoint {str(p)!r} does not exist or is not a folder")
+    if (p / LATEST).is_file():
+        p = p / (p / LATEST).read_text().strip()
+    if not (p / COMPLETE).is_file():
+        what = "an unfinished save (no COMPLETE record)" if (p / ".metadata").is_file() else "not a tensorpar checkpoint"
+        raise ValueError(f"{str(p)!r} is {what}: expected {LATEST} or {COMPLETE} in it")
+    return p
+
+
+def _check_files(folder: Path) -> dict:
+    """Every file the metadata points into exists and is long enough (a clear error before
+    loading); returns ``{key: dense shape}``."""
+    sizes, files = dcp.metadata(folder)
+    for name, size in sorted(files.items()):
+        f = folder / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint {str(folder)!r} is missing its file {name}")
+        if f.stat().st_size < size:
+            raise ValueError(f"checkpoint file {str(f)!r} is truncated: {f.stat().st_size} bytes, needs {size}")
+    return sizes
+
+
+def load(model, optimizer, path) -> int:
+    """Every rank calls it: the model's parameters and the optimizer's state from the checkpoint at
+    ``path`` (any layout), into this rank's blocks; returns the saved step. Checked first, before
+    anything changes: the folder is a complete checkpoint, its files are whole, and it holds every
+    parameter at this model's dense shape (``ValueError`` naming the key or the file)."""
+    folder = resolve(path)
+    saved = _check_files(folder)
+    if optimizer is not None:
+        _init_optimizer_state(model, optimizer, saved)
+    state = _state(model, optimizer, 0)
+    for key, value in state.items():
+        if key.startswith("rng.") or key in ("step", "optim.param_groups"):
+            continue
+        if key not in saved:
+            raise ValueError(f"checkpoint {str(folder)!r} has no {key!r}: it is of another model")
+        want = saved[key]
+        if isinstance(value, torch.Tensor) and want is not None and tuple(want) != tuple(value.shape):
+            raise ValueError(f"checkpoint {str(folder)!r}: {key!r} is {tuple(want)} there and "
+                             f"{tuple(value.shape)} in this model")
+    same_world = json.loads((folder / COMPLETE).read_text())["world_size"] == dist.get_world_size()
+    if not same_world:
+        state.pop(f"rng.{dist.get_rank()}")
+    with torch.no_grad():  # into the parameters' own storage
+        dcp.read(state, folder)
+    if optimizer is not None:
+        for group, saved_group in zip(optimizer.param_groups, state["optim.param_groups"]):
+            group.update(saved_group)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            for k, v in st.items():
+                if not (isinstance(v, torch.Tensor) and v.dim()):
+                    st[k] = state[f"optim.{names[id(p)]}.{k}"]
+    if same_world:
+        torch.set_rng_state(state[f"rng.{dist.get_rank()}"])
+    return int(state["step"])
+
+
+def _init_optimizer_state(model, optimizer, saved) -> None:
+    """A fresh optimizer has no state yet: zeros of the saved kinds, to be filled."""
+    for n, p in model.named_parameters():
+        if optimizer.state.get(p):
+            continue
+        prefix = f"optim.{n}."
+        kinds = {k[len(prefix):]: size for k, size in saved.items() if k.startswith(prefix)}
+        state = {}
+        for kind, size in kinds.items():
+            if size is not None and tuple(size) != () and len(size) == p.dim():
+                state[kind] = torch.zeros_like(p)
+            else:
+                state[kind] = torch.tensor(0.0)
+        if state:
+            optimizer.state[p] = state
+
+
+def export(model, path) -> Path:
+    """Every rank calls it: ``path`` becomes a Hugging Face directory (``config.json`` and
+    ``model.safetensors``) of the dense model this split one computes, which ``from_pretrained``
+    and :func:`~tensorpar.models.checkpoint.load_sharded` load at any tp. The blocks go through a
+    DCP folder as in :func:`save` (each rank writes its own); rank 0 alone assembles the dense
+    tensors, one file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    root = Path(path)
+    nonce = dist.broadcast_object(secrets.token_hex(4) if dist.get_rank() == 0 else None)
+    tmp = root.parent / f".{root.name}.{nonce}.blocks"
+    state = {k: v for k, v in _state(model, None, None).items() if k.startswith("model.")}
+    dcp.write(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        try:
+            tensors = {k.removeprefix("model."): v.contiguous() for k, v in dcp.dense_state(tmp).items()}
+            root.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+            model.config.save_pretrained(root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    return root

@@ -1,0 +1,131 @@
+"""Checkpoints (tensorpar.models.saving on torch.distributed.checkpoint): a run saved at step 10 and
+resumed continues on the uninterrupted single-process curve, at the same layout and at others
+(resharded over tp and dp, DDP and FSDP); a save killed anywhere leaves the previous checkpoint;
+a broken or foreign checkpoint is refused naming the file or key, before anything changes."""
+import functools
+import json
+
+import pytest
+import torch
+
+from tensorpar import dist
+from tensorpar.models import saving
+from tensorpar.models.testing import make_tiny_model
+from tests import _saving_workers as W
+
+# float64, the same bound as the mesh training tests (tests/test_models_mesh.py): a resumed run
+# repeats the uninterrupted one's operations, up to summation order in other layouts.
+TOL = 1e-12
+LOADS = [(2, 2, "ddp"), (1, 4, None), (4, 1, "fsdp"), (2, 2, "fsdp")]
+
+
+@functools.lru_cache(maxsize=None)
+def resumed(save_layout) -> list:
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        return dist.launch(W.resume_worker, 4, tmp, save_layout, LOADS, deadline=600)
+
+
+@pytest.mark.parametrize("save_layout", [(2, 2, "ddp"), (2, 2, "fsdp")], ids=["saved-dp2xtp2-ddp", "saved-dp2xtp2-fsdp"])
+@pytest.mark.parametrize("load_layout", LOADS, ids=lambda x: f"loaded-dp{x[0]}xtp{x[1]}-{x[2]}")
+def test_a_resumed_run_continues_the_uninterrupted_curve(save_layout, load_layout):
+    for res in resumed(save_layout):
+        r = res[load_layout]
+        assert r["step"] == W.SAVE_AT
+        assert r["err"] <= TOL, r
+
+
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
+    with pytest.raises(dist.RankFailedError):
+        dist.launch(W.killed_save_worker, 4, str(tmp_path), where, deadline=300)
+    assert (tmp_path / "latest").read_text() == "step-00000005"
+    unfinished = [p for p in tmp_path.iterdir() if p.name.startswith(".step-00000010")]
+    assert unfinished and not any((p / "COMPLETE").exists() for p in unfinished)
+    with pytest.raises(ValueError, match="an unfinished save|not a tensorpar checkpoint"):
+        saving.resolve(unfinished[0])
+    assert dist.launch(W.load_worker, 4, str(tmp_path), deadline=300) == [5] * 4
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    """A dense model and its optimizer after one step, saved in this process (no ranks)."""
+    model = make_tiny_model("llama", seed=1).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    opt.step()
+    folder = saving.save(model, opt, tmp_path / "ckpt", step=3)
+    return model, opt, folder
+
+
+def _fresh():
+    model = make_tiny_model("llama", seed=2).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_a_dense_model_round_trips(saved):
+    model, opt, folder = saved
+    other, other_opt = _fresh()
+    assert saving.load(other, other_opt, folder.parent) == 3
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(a, b), name
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[a][k], other_opt.state[b][k]), (name, k)
+    assert json.loads((folder / "COMPLETE").read_text())["step"] == 3
+
+
+def _broken_file(folder):
+    return sorted(folder.glob("*.distcp"))[0]
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: _broken_file(f).unlink(), "is missing its file __0_0.distcp"),
+    (lambda f: _broken_file(f).write_bytes(_broken_file(f).read_bytes()[:100]), "is truncated: 100 bytes"),
+    (lambda f: (f / "COMPLETE").unlink(), "an unfinished save (no COMPLETE record)"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_file_before_anything_changes(saved, damage, message):
+    _, _, folder = saved
+    damage(folder)
+    model, opt = _fresh()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=_escape(message)):
+        saving.load(model, opt, folder)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+
+
+def _escape(text):
+    import re
+    return re.escape(text)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: make_tiny_model("gpt2"), "has no 'model.transformer.wte.weight': it is of another model"),
+    (lambda: make_tiny_model("llama", hidden_size=64), "'model.model.embed_tokens.weight' is (130, 48) there and (130, 64)"),
+])
+def test_a_checkpoint_of_another_model_is_refused(saved, make, message):
+    _, _, folder = saved
+    model = make()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=_escape(message)):
+        saving.load(model, torch.optim.AdamW(model.parameters()), folder)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    model, opt = _fresh()
+    with pytest.raises(ValueError, match="is not a tensorpar checkpoint: expected latest or COMPLETE"):
+        saving.load(model, opt, tmp_path)
+    with pytest.raises(ValueError, match="does not exist"):
+        saving.load(model, opt, tmp_path / "nothing")
+
+
+def test_an_export_loads_in_transformers_and_at_any_tp_as_the_trained_model(tmp_path):
+    """Trained at dp 2 x tp 2 (FSDP), exported: transformers' from_pretrained and load_sharded at
+    tp 2 and 4 compute its logits (float64, <= 1e-12); the training moved them (power)."""
+    for r in dist.launch(W.export_worker, 4, str(tmp_path / "hf"), (2, 2, "fsdp"), deadline=600):
+        assert r["moved"] > 1e-3, r
+        assert max(r["transformers"], r["tp2"], r["tp4"]) <= TOL, r
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"] or \
+        sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
