@@ -81,7 +81,7 @@ def _describe(t: torch.Tensor, p, dense_size: int | None, dp_rows) -> "dcp.Block
 
 def _fsdp_rows(model):
     report = getattr(model, "tp_report", None)
-    if report is None or report.data_parallel != "fsdp":
+    if getattr(report, "data_parallel", None) != "fsdp":
         return None
     d, dp = dist.get_rank(report.dp_group), report.dp_size
     return lambda n: min(n, d * -(-n // dp))

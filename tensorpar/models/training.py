@@ -67,7 +67,7 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     restore_tags(model)  # a deep copy of a parallelized model: its parameters' replica counts
     group, tp_size = _group(model)
     report = getattr(model, "tp_report", None)
-    fsdp = report is not None and report.data_parallel == "fsdp"
+    fsdp = getattr(report, "data_parallel", None) == "fsdp"
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         raise ValueError("no parameter has a gradient; call backward() before clip_grad_norm_")

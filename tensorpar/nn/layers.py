@@ -354,7 +354,8 @@ class VocabParallelEmbedding(nn.Module):
         check_ids(ids, self.num_embeddings)
         if self.sequence_parallel:
             check_seq_divisible(ids, 1, self.tp_size, type(self).__name__)
-        out_partial = self.partial_lookup(ids)  # (B, T, H)
+        # named on the class: a rebased embedding subclass (tensorpar.nn.rebase) borrows this forward
+        out_partial = VocabParallelEmbedding.partial_lookup(self, ids)  # (B, T, H)
         if self.sequence_parallel:
             return dist.reduce_scatter_to_sequence_parallel_region(out_partial,
                                                                    group=self.tp_group, dim=1)
