@@ -48,7 +48,7 @@ def mesh_worker(layouts):
     with torch.no_grad():
         ref_logits = ref["model"].eval()(input_ids=probe).logits
         moved = ((ref_logits - dense(input_ids=probe).logits).abs().max() / ref_logits.abs().max()).item()
-    out = {}
+    out = {"tp_only": _tp_only_mesh_refused(dense)}
     for dp, tp, kind in layouts:
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         model = parallelize(copy.deepcopy(dense), mesh=mesh, data_parallel=kind).train()
@@ -77,3 +77,14 @@ def mesh_worker(layouts):
             "transports": (dist.transport(mesh["dp"].get_group()), dist.transport(mesh["tp"].get_group())),
             "rank": tdist.get_rank()}
     return out
+
+
+def _tp_only_mesh_refused(dense) -> tuple:
+    """data_parallel on a mesh without a 'dp' dimension: refused before the model is touched."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = copy.deepcopy(dense)
+    try:
+        parallelize(model, mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)), data_parallel="ddp")
+    except ValueError as exc:
+        return str(exc), hasattr(model, "tp_report"), type(model.model.layers[0].mlp.up_proj).__name__
+    return None, hasattr(model, "tp_report"), type(model.model.layers[0].mlp.up_proj).__name__

@@ -46,6 +46,8 @@ def resume_worker(root, save_layout, load_layouts):
     out = {}
     for layout in load_layouts:
         model, opt, rows = _build(layout, make_tiny_model("llama", seed=77))  # other weights: all overwritten
+        with torch.no_grad():  # an evaluation first: FSDP then holds its root's parameters unsharded
+            model(input_ids=steps[0][rows])
         step = saving.load(model, opt, root)
         got = _train(model, opt, rows, steps[SAVE_AT:], model.tp_report.dp_group)
         out[layout] = {"step": step, "err": max(abs(a - b) / abs(b) for a, b in zip(got, want[SAVE_AT:]))}

@@ -69,6 +69,20 @@ def _hooked_partial(model):
     return model
 
 
+def _submodule_training(model):
+    """The model in eval mode, one attention in training mode (its dropout on)."""
+    model.model.layers[1].self_attn.train()
+    return model
+
+
+def _patched_forward(model):
+    """A forward set on the instance, as accelerate's offloading does."""
+    mlp = model.model.layers[0].mlp
+    own = mlp.forward
+    mlp.forward = lambda x: own(x) * 2
+    return model
+
+
 def _sliding(model):
     model.config.sliding_window = 4
     return model
@@ -89,6 +103,8 @@ def _training(model):
     ("llama", _hooked_partial, "model.layers.1.self_attn has forward hooks that change its output"),
     ("llama", _eager, "attention implementation 'eager'"),
     ("llama", _training, "training mode"),
+    ("llama", _submodule_training, "model.layers.1.self_attn is in training mode"),
+    ("llama", _patched_forward, "model.layers.0.mlp has a forward of its own set on the instance"),
     ("mistral", _sliding, "pass the sliding window of 4"),
 ])
 def test_where_the_lean_forward_must_not_run_auto_uses_the_models_own(arch, change, why):
@@ -99,7 +115,7 @@ def test_where_the_lean_forward_must_not_run_auto_uses_the_models_own(arch, chan
     with pytest.raises(ValueError, match="engine='lean' cannot run") as exc:
         generate(model, W.PROMPTS, 5, engine="lean")
     assert why in str(exc.value)
-    if change is _training:
+    if change in (_training, _submodule_training):
         return  # dropout is off in the tiny models: nothing to see in the tokens
     # transformers' eager attention in float64 turns a left-padded row into NaN (its own generate
     # too, transformers 5.24): that case runs unpadded
@@ -109,12 +125,32 @@ def test_where_the_lean_forward_must_not_run_auto_uses_the_models_own(arch, chan
     assert torch.equal(got_ids, want_ids) and _worst(got, want) == 0
 
 
+def test_a_global_module_hook_sends_generate_to_the_models_own_forward():
+    """A hook registered for every module runs in the model's forward only: the lean one refuses."""
+    from torch import nn
+    model = make_tiny_model("llama", seed=1)
+    want_plain = _steps(model, W.PROMPTS, 3, "hf")[1]
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: out * 0.5 if type(mod) is nn.Linear else None)
+    try:
+        assert "global module forward hook" in lean_decoder(model)[1]
+        want, got = _steps(model, W.PROMPTS, 3, "hf")[1], _steps(model, W.PROMPTS, 3, "auto")[1]
+    finally:
+        handle.remove()
+    assert _worst(got, want) == 0 and _worst(want, want_plain) > 1e-3
+    assert lean_decoder(model)[0] is not None  # and the ledger's own global hooks do not count
+    with dist.ledger():
+        assert lean_decoder(model)[0] is not None
+
+
 def test_the_fallback_cases_have_power():
     """The hook and the window change the logits: a lean forward that ignored them would be seen."""
     plain, hooked = make_tiny_model("llama", seed=1), _hooked(make_tiny_model("llama", seed=1))
     assert _worst(_steps(plain, W.PROMPTS, 3, "hf")[1], _steps(hooked, W.PROMPTS, 3, "hf")[1]) > 1e-3
     hooked = _hooked_partial(make_tiny_model("llama", seed=1))
     assert _worst(_steps(plain, W.PROMPTS, 3, "hf")[1], _steps(hooked, W.PROMPTS, 3, "hf")[1]) > 1e-3
+    patched = _patched_forward(make_tiny_model("llama", seed=1))
+    assert _worst(_steps(plain, W.PROMPTS, 3, "hf")[1], _steps(patched, W.PROMPTS, 3, "hf")[1]) > 1e-3
     plain, windowed = make_tiny_model("mistral", seed=1), _sliding(make_tiny_model("mistral", seed=1))
     assert _worst(_steps(plain, W.PROMPTS, 5, "hf")[1], _steps(windowed, W.PROMPTS, 5, "hf")[1]) > 1e-3
 

@@ -58,3 +58,10 @@ def test_bad_mesh_arguments_are_refused_before_anything_runs(kwargs, message):
     from tensorpar.models.testing import make_tiny_model
     with pytest.raises(ValueError, match=re.escape(message)):
         parallelize(make_tiny_model("llama"), **kwargs)
+
+
+def test_data_parallel_on_a_mesh_without_dp_is_refused_untouched():
+    for res in results():
+        error, has_report, up_proj = res["tp_only"]
+        assert error is not None and "needs a 'dp' dimension; the mesh has ('tp',)" in error
+        assert not has_report and up_proj == "Linear"

@@ -129,3 +129,29 @@ def test_an_export_loads_in_transformers_and_at_any_tp_as_the_trained_model(tmp_
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
                                                                     "model.safetensors"] or \
         sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_the_same_step_saved_again_replaces_it_and_keeps_latest_whole(saved, tmp_path):
+    model, opt, folder = saved
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    again = saving.save(model, opt, folder.parent, step=3)
+    assert again != folder and again.name.startswith("step-00000003.") and not folder.exists()
+    assert (folder.parent / "latest").read_text() == again.name
+    other, other_opt = _fresh()
+    assert saving.load(other, other_opt, folder.parent) == 3
+    assert torch.equal(next(other.parameters()), next(model.parameters()))
+
+
+def test_optimizer_mismatches_are_refused_before_anything_changes(saved, tmp_path):
+    model, _, folder = saved
+    no_opt = saving.save(model, None, tmp_path / "bare", step=1)
+    other, other_opt = _fresh()
+    with pytest.raises(ValueError, match="was saved without an optimizer; load it with optimizer=None"):
+        saving.load(other, other_opt, no_opt)
+    assert not other_opt.state
+    assert saving.load(other, None, no_opt) == 1
+    two_groups = torch.optim.AdamW([{"params": list(other.parameters())[:2]},
+                                    {"params": list(other.parameters())[2:]}], lr=1e-2)
+    with pytest.raises(ValueError, match="has 1 optimizer parameter groups, this optimizer 2"):
+        saving.load(other, two_groups, folder)

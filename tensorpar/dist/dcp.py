@@ -8,9 +8,12 @@ loading reads each rank's blocks from whichever blocks were written, whatever th
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -50,21 +53,37 @@ class Blocks(torch.Tensor):
         raise ValueError(f"{index.fqn}: no block at {tuple(index.offset)} on this rank")
 
 
+def _alone() -> bool:
+    """No process group: one process saves or loads everything (said so, not guessed with a warning)."""
+    return not (tdist.is_available() and tdist.is_initialized())
+
+
 def write(state: dict, folder: Path) -> None:
     """Every rank: ``state`` (tensors, :class:`Blocks`, picklable objects) into ``folder``."""
-    dcp.save(state, checkpoint_id=str(folder))
+    with _quiet():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=_alone())
 
 
 def read(state: dict, folder: Path) -> None:
     """Every rank: fill ``state`` in place from ``folder`` (objects replaced by the saved ones)."""
-    dcp.load(state, checkpoint_id=str(folder))
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(folder), no_dist=_alone())
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns that it 'assumes' one process even when told so (``no_dist``): not news here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process")
+        yield
 
 
 def metadata(folder: Path):
-    """``(sizes, files)``: ``{key: dense shape or None for an object}`` and ``{file: bytes its
-    blocks need}`` from the folder's metadata alone."""
+    """``(saved, files)``: ``{key: (dense shape, dtype), or (None, None) for an object}`` and
+    ``{file: bytes its blocks need}``, from the folder's metadata alone."""
     meta = FileSystemReader(str(folder)).read_metadata()
-    sizes = {k: getattr(md, "size", None) for k, md in meta.state_dict_metadata.items()}
+    sizes = {k: (getattr(md, "size", None), getattr(getattr(md, "properties", None), "dtype", None))
+             for k, md in meta.state_dict_metadata.items()}
     files: dict = {}
     for info in (meta.storage_data or {}).values():
         files[info.relative_path] = max(files.get(info.relative_path, 0), info.offset + info.length)

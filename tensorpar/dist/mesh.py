@@ -39,6 +39,9 @@ def check_args(mesh, tp_group, data_parallel) -> None:
     if names not in _DIMS:
         raise ValueError(f"mesh dimensions must be named ('dp', 'tp') or ('tp',); got {names or None} "
                          f"(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); tp may be 1)")
+    if data_parallel is not None and "dp" not in names:
+        raise ValueError(f"data_parallel={data_parallel!r} needs a 'dp' dimension; the mesh has {names} "
+                         f"(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')))")
     if data_parallel is None and "dp" in names and mesh["dp"].size() > 1:
         raise ValueError(f"the mesh has a 'dp' dimension of {mesh['dp'].size()}: choose data_parallel='ddp' "
                          f"(replicated) or 'fsdp' (fully sharded)")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import dist
-from tensorpar.dist.ledger import active_ledger
+from tensorpar.dist.ledger import Ledger, active_ledger
 from tensorpar.nn import regions
 from tensorpar.nn.attention import ReplicatedHeadLinear
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -47,10 +47,26 @@ class Unsupported(ValueError):
     """Why a model cannot take the lean path (the caller uses the model's own forward)."""
 
 
+_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers' class names per family
+
+
 def _check_hooks(module, name: str) -> None:
-    """This path steps over ``module``'s forward: only hooks that change nothing there may be on it."""
+    """This path steps over ``module``'s forward: only hooks that change nothing there may be on
+    it, and no forward of its own set on the instance (accelerate's offloading does that)."""
     if not regions.same_forward(module):
         raise Unsupported(f"{name} has forward hooks that change its output")
+    if "forward" in module.__dict__:
+        raise Unsupported(f"{name} has a forward of its own set on the instance")
+
+
+def _check_global_hooks() -> None:
+    """Hooks registered for every module (``register_module_forward_hook``) would run in the model's
+    forward and not here; the ledger's, which only name the module a collective comes from, may."""
+    from torch.nn.modules import module as M
+    for table in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+        for hook in getattr(M, table, {}).values():
+            if not isinstance(getattr(hook, "__self__", None), Ledger):
+                raise Unsupported("a global module forward hook is registered (register_module_forward_hook)")
 
 
 def _linear(module, name: str) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
@@ -99,13 +115,16 @@ def _head(module) -> tuple[torch.Tensor, torch.Tensor | None]:
 class _Layer:
     """One decoder layer's weights and modules, as this rank holds them."""
 
-    def __init__(self, layer, name: str, head_dim: int, hidden: int):
+    def __init__(self, layer, name: str, head_dim: int, hidden: int, prefix: str):
         attn, mlp = layer.self_attn, layer.mlp
         extra = set(dict(attn.named_children())) - {"q_proj", "k_proj", "v_proj", "o_proj"}
         if extra or set(dict(mlp.named_children())) - {"gate_proj", "up_proj", "down_proj", "act_fn"}:
             raise Unsupported(f"{name} has modules this path does not run: {sorted(extra) or 'in its MLP'}")
-        for part, mod in (("", layer), (".self_attn", attn), (".mlp", mlp)):
+        for part, mod, kind in (("", layer, "DecoderLayer"), (".self_attn", attn, "Attention"), (".mlp", mlp, "MLP")):
             _check_hooks(mod, name + part)
+            if type(mod).__name__ != prefix + kind or not type(mod).__module__.startswith("transformers."):
+                raise Unsupported(f"{name + part} is a {type(mod).__name__}, not transformers' own "
+                                  f"{prefix + kind}: its forward may differ")
         self.norm1, self.norm2, self.act = layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn
         self.q, self.k, self.v = (_input(getattr(attn, p), f"{name}.self_attn.{p}") for p in ("q_proj", "k_proj", "v_proj"))
         self.gate, self.up = (_input(getattr(mlp, p), f"{name}.mlp.{p}") for p in ("gate_proj", "up_proj"))
@@ -123,8 +142,8 @@ class _Layer:
 class LeanCache:
     """Every layer's keys and values, ``(B, nkv, capacity, hd)`` each, filled up to ``length``."""
 
-    def __init__(self, layers, batch: int, capacity: int, head_dim: int, dtype):
-        self.k = [torch.empty(batch, lay.kv_heads, capacity, head_dim, dtype=dtype) for lay in layers]
+    def __init__(self, layers, batch: int, capacity: int, head_dim: int, dtype, device=None):
+        self.k = [torch.empty(batch, lay.kv_heads, capacity, head_dim, dtype=dtype, device=device) for lay in layers]
         self.v = [torch.empty_like(k) for k in self.k]
         self.length, self.capacity = 0, capacity
 
@@ -139,8 +158,10 @@ class LeanDecoder:
         cfg = model.config
         if cfg.model_type not in FAMILIES:
             raise Unsupported(f"model type {cfg.model_type!r} is not one of {', '.join(FAMILIES)}")
-        if model.training:
-            raise Unsupported("the model is in training mode (dropout)")
+        training = [n or "model" for n, m in model.named_modules() if m.training]
+        if training:
+            raise Unsupported(f"{training[0]} is in training mode (dropout)")
+        _check_global_hooks()
         if getattr(cfg, "_attn_implementation", None) not in ATTENTION:
             raise Unsupported(f"attention implementation {cfg._attn_implementation!r}; this path is {ATTENTION}")
         base = model.model
@@ -158,11 +179,12 @@ class LeanDecoder:
         embed = self.embed  # a vocabulary split without hooks: its lookup, then one all-reduce in place
         self.embed_split = (type(embed) is VocabParallelEmbedding and embed.tp_size > 1
                             and not embed.sequence_parallel and regions.same_forward(embed))
-        self.layers = [_Layer(layer, f"model.layers.{i}", self.head_dim, cfg.hidden_size)
+        self.layers = [_Layer(layer, f"model.layers.{i}", self.head_dim, cfg.hidden_size,
+                              _PREFIX[cfg.model_type])
                        for i, layer in enumerate(base.layers)]
         self.head = _head(model.lm_head)
-        half = self.head_dim // 2
-        self.sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)])  # (hd,): see _rope
+        half, self.device = self.head_dim // 2, self.head[0].device
+        self.sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(self.device)  # (hd,): _rope
         self.group = group
 
     def check_length(self, total: int) -> None:
@@ -170,7 +192,7 @@ class LeanDecoder:
             raise Unsupported(f"{total} positions pass the sliding window of {self.window}")
 
     def new_cache(self, batch: int, capacity: int) -> LeanCache:
-        return LeanCache(self.layers, batch, capacity, self.head_dim, self.head[0].dtype)
+        return LeanCache(self.layers, batch, capacity, self.head_dim, self.head[0].dtype, self.device)
 
     def __call__(self, ids, mask, positions, cache: LeanCache) -> torch.Tensor:
         """This rank's logits of the last position, ``(B, V)`` or ``(B, V/tp)``. ``ids``: ``(B, T)``
@@ -183,7 +205,7 @@ class LeanDecoder:
         x = self._embed(ids)                                             # (B, T, H)
         cos, sin = self.rope(x, positions)                               # (B, T, hd) each
         rot = (cos[:, None], (sin * self.sign.to(sin.dtype))[:, None])  # (B, 1, T, hd) each
-        allowed = _allowed(mask, start, T, L)                            # (B, 1, T, L) bool or None
+        allowed = _allowed(mask, start, T, L, ids.device)                # (B, 1, T, L) bool or None
         x = x.view(B * T, -1)                                            # (B T, H)
         for i, lay in enumerate(self.layers):
             x = x + self._attention(lay, lay.norm1(x), B, rot, cache, i, start, allowed)
@@ -244,18 +266,19 @@ def _rope(x, cos, sin_signed):
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def _allowed(mask, start: int, T: int, L: int):
+def _allowed(mask, start: int, T: int, L: int, device=None):
     """Which keys each new position attends to, ``(B, 1, T, L)``; None where every earlier key
     is allowed (one new token, no padding). A padded query attends to itself alone: its output
     is never used, and a row with no key would be NaN, which the cache would then carry."""
     if mask is None and T == 1:
         return None
-    rows = torch.arange(start, start + T)[:, None]                   # (T, 1) absolute positions
-    causal = torch.arange(L)[None, :] <= rows                         # (T, L)
+    rows = torch.arange(start, start + T, device=device)[:, None]    # (T, 1) absolute positions
+    cols = torch.arange(L, device=device)[None, :]                    # (1, L)
+    causal = cols <= rows                                             # (T, L)
     if mask is None:
         return causal
     keys = mask[:, None, None, :L].bool()                             # (B, 1, 1, L)
-    return (causal & keys) | (torch.arange(L)[None, :] == rows)       # (B, 1, T, L)
+    return (causal & keys) | (cols == rows)                           # (B, 1, T, L)
 
 
 def lean_decoder(model, group=None, positions: int | None = None) -> tuple[LeanDecoder | None, str]:

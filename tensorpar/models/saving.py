@@ -79,6 +79,16 @@ def _describe(t: torch.Tensor, p, dense_size: int | None, dp_rows) -> "dcp.Block
     return dcp.Blocks(dense, local.dtype, blocks)
 
 
+def _is_split(model) -> bool:
+    report = getattr(model, "tp_report", None)
+    return report is not None and (report.tp_size > 1 or getattr(report, "data_parallel", None) is not None)
+
+
+def _reshard(model) -> None:
+    if callable(getattr(model, "reshard", None)):  # FSDP: the root's parameters back to their dp shards
+        model.reshard()
+
+
 def _fsdp_rows(model):
     report = getattr(model, "tp_report", None)
     if getattr(report, "data_parallel", None) != "fsdp":
@@ -90,8 +100,7 @@ def _fsdp_rows(model):
 def _state(model, optimizer, step: int | None) -> dict:
     """What DCP writes or fills: every parameter and optimizer state as dense blocks, the rest as is."""
     from tensorpar.sharding.commit import restore_tags
-    if callable(getattr(model, "reshard", None)):  # FSDP: the root's parameters back to their dp shards
-        model.reshard()
+    _reshard(model)
     restore_tags(model)
     params = list(model.named_parameters())
     sizes, rows = _dense_sizes(model, params), _fsdp_rows(model)
@@ -99,10 +108,17 @@ def _state(model, optimizer, step: int | None) -> dict:
            for n, p in params}
     if optimizer is not None:
         names = {id(p): n for n, p in params}
+        split = _is_split(model)
         for p, st in optimizer.state.items():
+            if id(p) not in names:
+                raise ValueError("the optimizer holds state for a tensor that is not one of the model's parameters")
             for k, v in st.items():
                 key = f"optim.{names[id(p)]}.{k}"
                 shaped = isinstance(v, torch.Tensor) and v.dim() and tuple(v.shape) == tuple(p.shape)
+                if split and isinstance(v, torch.Tensor) and v.dim() and not shaped:
+                    raise ValueError(f"{key}: optimizer state of shape {tuple(v.shape)} beside a parameter of "
+                                     f"{tuple(p.shape)} (a factored optimizer's) cannot be placed in the dense "
+                                     f"tensor on a split model; save supports states shaped like their parameter")
                 out[key] = _describe(v, p, sizes.get(names[id(p)]), rows) if shaped else v
         out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     out["step"] = step
@@ -122,20 +138,51 @@ def save(model, optimizer, path, *, step: int) -> Path:
     dcp.write(_state(model, optimizer, step), tmp)
     dist.barrier()  # every rank's blocks are on disk
     final = root / f"step-{step:08d}"
+    if final.exists():  # the same step saved again: a folder of its own, then latest moves to it
+        final = root / f"step-{step:08d}.{nonce}"
     if dist.get_rank() == 0:
-        _commit(root, tmp, final, step)
+        _commit(root, tmp, final, {"step": step, **_layout(model)})
     dist.barrier()
     return final
 
 
-def _commit(root: Path, tmp: Path, final: Path, step: int) -> None:
-    (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": dist.get_world_size()}))
-    if final.exists():  # a save of the same step again: the new one replaces it
-        final.rename(root / f".{final.name}.{secrets.token_hex(4)}.old")
+def _layout(model) -> dict:
+    report = getattr(model, "tp_report", None)
+    return {"world_size": dist.get_world_size(), "tp_size": getattr(report, "tp_size", 1),
+            "dp_size": getattr(report, "dp_size", 1), "data_parallel": getattr(report, "data_parallel", None)}
+
+
+def _commit(root: Path, tmp: Path, final: Path, record: dict) -> None:
+    """Publish ``tmp`` as ``final``: its COMPLETE record, the rename, then ``latest`` replaced;
+    each step on disk (fsync) before the next, so a crash anywhere leaves ``latest`` on a whole
+    checkpoint."""
+    _durable_write(tmp / COMPLETE, json.dumps(record))
+    _fsync_dir(tmp)
+    previous = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
     tmp.rename(final)
+    _fsync_dir(root)
     pointer = root / f".{LATEST}.{secrets.token_hex(4)}"
-    pointer.write_text(final.name)
+    _durable_write(pointer, final.name)
     os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    if previous is not None and previous != final and previous.name.split(".")[0] == final.name.split(".")[0]:
+        import shutil
+        shutil.rmtree(previous, ignore_errors=True)  # the same step's older save, now unreferenced
+
+
+def _durable_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def resolve(path) -> Path:
@@ -172,34 +219,55 @@ def load(model, optimizer, path) -> int:
     parameter at this model's dense shape (``ValueError`` naming the key or the file)."""
     folder = resolve(path)
     saved = _check_files(folder)
+    _reshard(model)
+    _check_keys(folder, saved, _state(model, None, 0))
     if optimizer is not None:
+        groups = {k.split(".")[2] for k in saved if k.startswith("optim.param_groups.")}  # DCP flattens the list
+        if not groups:
+            raise ValueError(f"checkpoint {str(folder)!r} was saved without an optimizer; load it with optimizer=None")
+        if len(groups) != len(optimizer.param_groups):
+            raise ValueError(f"checkpoint {str(folder)!r} has {len(groups)} optimizer parameter groups, "
+                             f"this optimizer {len(optimizer.param_groups)}")
         _init_optimizer_state(model, optimizer, saved)
     state = _state(model, optimizer, 0)
-    for key, value in state.items():
-        if key.startswith("rng.") or key in ("step", "optim.param_groups"):
-            continue
-        if key not in saved:
-            raise ValueError(f"checkpoint {str(folder)!r} has no {key!r}: it is of another model")
-        want = saved[key]
-        if isinstance(value, torch.Tensor) and want is not None and tuple(want) != tuple(value.shape):
-            raise ValueError(f"checkpoint {str(folder)!r}: {key!r} is {tuple(want)} there and "
-                             f"{tuple(value.shape)} in this model")
-    same_world = json.loads((folder / COMPLETE).read_text())["world_size"] == dist.get_world_size()
-    if not same_world:
+    _check_keys(folder, saved, state)
+    record = json.loads((folder / COMPLETE).read_text())
+    same_layout = all(record.get(k) == v for k, v in _layout(model).items())
+    if not same_layout:  # another rank numbering: a rank's generator is not this rank's to take
         state.pop(f"rng.{dist.get_rank()}")
     with torch.no_grad():  # into the parameters' own storage
         dcp.read(state, folder)
     if optimizer is not None:
-        for group, saved_group in zip(optimizer.param_groups, state["optim.param_groups"]):
-            group.update(saved_group)
+        _restore_groups(optimizer, state["optim.param_groups"])
         names = {id(p): n for n, p in model.named_parameters()}
         for p, st in optimizer.state.items():
             for k, v in st.items():
                 if not (isinstance(v, torch.Tensor) and v.dim()):
                     st[k] = state[f"optim.{names[id(p)]}.{k}"]
-    if same_world:
+    if same_layout:
         torch.set_rng_state(state[f"rng.{dist.get_rank()}"])
     return int(state["step"])
+
+
+def _check_keys(folder, saved: dict, state: dict) -> None:
+    for key, value in state.items():
+        if key.startswith("rng.") or key in ("step", "optim.param_groups"):
+            continue
+        if key not in saved:
+            raise ValueError(f"checkpoint {str(folder)!r} has no {key!r}: it is of another model")
+        want = saved[key][0]
+        if isinstance(value, torch.Tensor) and want is not None and tuple(want) != tuple(value.shape):
+            raise ValueError(f"checkpoint {str(folder)!r}: {key!r} is {tuple(want)} there and "
+                             f"{tuple(value.shape)} in this model")
+
+
+# how an optimizer runs, not what it learned: this process's choice, never the checkpoint's
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable", "maximize_impl")
+
+
+def _restore_groups(optimizer, groups: list) -> None:
+    for group, saved in zip(optimizer.param_groups, groups):  # as many: load checked it first
+        group.update({k: v for k, v in saved.items() if k not in _IMPLEMENTATION})
 
 
 def _init_optimizer_state(model, optimizer, saved) -> None:
@@ -208,13 +276,13 @@ def _init_optimizer_state(model, optimizer, saved) -> None:
         if optimizer.state.get(p):
             continue
         prefix = f"optim.{n}."
-        kinds = {k[len(prefix):]: size for k, size in saved.items() if k.startswith(prefix)}
+        kinds = {k[len(prefix):]: md for k, md in saved.items() if k.startswith(prefix)}
         state = {}
-        for kind, size in kinds.items():
-            if size is not None and tuple(size) != () and len(size) == p.dim():
-                state[kind] = torch.zeros_like(p)
-            else:
-                state[kind] = torch.tensor(0.0)
+        for kind, (size, dtype) in kinds.items():
+            if size is not None and p.dim() and tuple(size) == tuple(p.shape):
+                state[kind] = torch.zeros_like(p)  # shaped like the parameter (a DTensor under FSDP)
+            elif size is not None:
+                state[kind] = torch.zeros(tuple(size), dtype=dtype)  # a step count, or a scalar's state
         if state:
             optimizer.state[p] = state
 

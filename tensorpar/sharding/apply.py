@@ -91,7 +91,13 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
     if data_parallel is not None:
-        data_mesh.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
+        try:
+            data_mesh.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
+        except BaseException:  # exactly or not at all: the split undone too
+            undo.revert()
+            del model.tp_report
+            model.__dict__.pop("_tp_param_tags", None)
+            raise
         model.tp_report.data_parallel, model.tp_report.dp_group = data_parallel, mesh["dp"].get_group()
         model.tp_report.dp_size = mesh["dp"].size()
     return model

@@ -138,6 +138,7 @@ def _drop_transform(module, attr) -> None:
 def _put(model, name, b, tp_group, undo) -> None:
     if b.module is not None:
         parent, _, child = name.rpartition(".")
+        b.module.train(model.get_submodule(name).training)  # a new module is made in training mode
         undo.set_attr(model.get_submodule(parent), child, b.module)
         return
     owner = model.get_submodule(name.rpartition(".")[0])
