@@ -277,10 +277,11 @@ def _init_optimizer_state(model, optimizer, saved) -> None:
             continue
         prefix = f"optim.{n}."
         kinds = {k[len(prefix):]: md for k, md in saved.items() if k.startswith(prefix)}
+        dense = saved.get(f"model.{n}", (None, None))[0]  # the parameter's dense shape, as saved
         state = {}
         for kind, (size, dtype) in kinds.items():
-            if size is not None and p.dim() and tuple(size) == tuple(p.shape):
-                state[kind] = torch.zeros_like(p)  # shaped like the parameter (a DTensor under FSDP)
+            if size is not None and p.dim() and dense is not None and tuple(size) == tuple(dense):
+                state[kind] = torch.zeros_like(p)  # shaped like the parameter: its shard (a DTensor under FSDP)
             elif size is not None:
                 state[kind] = torch.zeros(tuple(size), dtype=dtype)  # a step count, or a scalar's state
         if state:
