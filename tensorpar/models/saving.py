@@ -93,8 +93,8 @@ def _fsdp_rows(model):
     report = getattr(model, "tp_report", None)
     if getattr(report, "data_parallel", None) != "fsdp":
         return None
-    d, dp = dist.get_rank(report.dp_group), report.dp_size
-    return lambda n: min(n, d * -(-n // dp))
+    from tensorpar.models.training import fsdp_first_row
+    return fsdp_first_row(report)
 
 
 def _state(model, optimizer, step: int | None) -> dict:
@@ -132,8 +132,7 @@ def save(model, optimizer, path, *, step: int) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     root = Path(path)
-    nonce = [secrets.token_hex(4)] if dist.get_rank() == 0 else [None]
-    nonce = dist.broadcast_object(nonce[0])
+    nonce = _nonce()
     tmp = root / f".step-{step:08d}.{nonce}.partial"
     dcp.write(_state(model, optimizer, step), tmp)
     dist.barrier()  # every rank's blocks are on disk
@@ -144,6 +143,11 @@ def save(model, optimizer, path, *, step: int) -> Path:
         _commit(root, tmp, final, {"step": step, **_layout(model)})
     dist.barrier()
     return final
+
+
+def _nonce() -> str:
+    """A name part rank 0 draws and every rank shares (folders of one save)."""
+    return dist.broadcast_object(secrets.token_hex(4) if dist.get_rank() == 0 else None)
 
 
 def _layout(model) -> dict:
@@ -299,8 +303,7 @@ def export(model, path) -> Path:
     from safetensors.torch import save_file
 
     root = Path(path)
-    nonce = dist.broadcast_object(secrets.token_hex(4) if dist.get_rank() == 0 else None)
-    tmp = root.parent / f".{root.name}.{nonce}.blocks"
+    tmp = root.parent / f".{root.name}.{_nonce()}.blocks"
     state = {k: v for k, v in _state(model, None, None).items() if k.startswith("model.")}
     dcp.write(state, tmp)
     dist.barrier()

@@ -71,7 +71,7 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         raise ValueError("no parameter has a gradient; call backward() before clip_grad_norm_")
-    first_row = _first_row(report) if fsdp else None
+    first_row = fsdp_first_row(report) if fsdp else None
     sq = sum(_share_of_square(p, first_row) for p in params).reshape(1)  # (1,)
     if tp_size > 1:
         dist.all_reduce(sq, group=group)  # sum of every rank's share
@@ -89,10 +89,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _first_row(report):
-    """``rows -> first row this dp rank holds``: FSDP2 splits dim 0 as ``torch.chunk`` does."""
+def fsdp_first_row(report):
+    """``rows -> first row this dp rank holds`` of a tensor of ``rows`` rows: FSDP2 splits dim 0 as
+    ``torch.chunk`` does (``ceil(rows / dp)`` per rank; the last ranks may hold none)."""
     d, dp = dist.get_rank(report.dp_group), report.dp_size
-    return lambda rows: d * -(-rows // dp)
+    return lambda rows: min(rows, d * -(-rows // dp))
 
 
 def _share_of_square(p, first_row=None) -> torch.Tensor:
