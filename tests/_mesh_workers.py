@@ -36,22 +36,27 @@ def reference(dense, steps) -> dict:
 
 
 def mesh_worker(layouts):
-    """For each ``(dp, tp, data_parallel)``: 20 AdamW steps with clipping on a (dp, tp) mesh, each
-    dp rank on its slice of the global batch; the loss (averaged over dp), the clipped norm and the
-    trained model's logits against :func:`reference`."""
+    """For each ``(dp, tp, data_parallel, sequence_parallel, dtype)``: 20 AdamW steps with clipping
+    on a (dp, tp) mesh, each dp rank on its slice of the global batch; the loss (averaged over dp),
+    the clipped norm and the trained model's logits against :func:`reference` in that dtype."""
     warnings.filterwarnings("ignore")
     from torch.distributed.device_mesh import init_device_mesh
-    dense = make_tiny_model("llama", seed=5)
-    steps = batches(dense.config.vocab_size)
-    ref = reference(dense, steps)
-    probe = torch.randint(0, dense.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        ref_logits = ref["model"].eval()(input_ids=probe).logits
-        moved = ((ref_logits - dense(input_ids=probe).logits).abs().max() / ref_logits.abs().max()).item()
-    out = {"tp_only": _tp_only_mesh_refused(dense)}
-    for dp, tp, kind in layouts:
+    out, refs = {}, {}
+    for dp, tp, kind, sp, dtype in layouts:
+        if dtype not in refs:
+            dense = make_tiny_model("llama", seed=5, dtype=getattr(torch, dtype))
+            steps = batches(dense.config.vocab_size)
+            ref = reference(dense, steps)
+            probe = torch.randint(0, dense.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(8))
+            with torch.no_grad():
+                ref_logits = ref["model"].eval()(input_ids=probe).logits
+                moved = ((ref_logits - dense(input_ids=probe).logits).abs().max() / ref_logits.abs().max()).item()
+            refs[dtype] = dense, steps, ref, probe, ref_logits, moved
+        dense, steps, ref, probe, ref_logits, moved = refs[dtype]
+        if "tp_only" not in out:
+            out["tp_only"] = _tp_only_mesh_refused(dense)
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = parallelize(copy.deepcopy(dense), mesh=mesh, data_parallel=kind).train()
+        model = parallelize(copy.deepcopy(dense), mesh=mesh, data_parallel=kind, sequence_parallel=sp).train()
         types = sorted({type(p).__name__ for p in model.parameters()})  # before a forward: FSDP's root
         # keeps its parameters unsharded after one (reshard_after_forward is off at the root)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
@@ -66,13 +71,14 @@ def mesh_worker(layouts):
             norms.append(res["grad_norm"])
         with torch.no_grad():
             logits = model.eval()(input_ids=probe).logits
-        out[(dp, tp, kind)] = {
+        out[(dp, tp, kind, sp, dtype)] = {
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
             "logits_err": ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item(),
             "clipped_steps": sum(n > MAX_NORM for n in ref["norms"]),
             "trained_moved": moved,  # the trained model's logits against the initial model's
-            "report": (model.tp_report.data_parallel, model.tp_report.dp_size, model.tp_report.tp_size),
+            "report": (model.tp_report.data_parallel, model.tp_report.dp_size, model.tp_report.tp_size,
+                       model.tp_report.sequence_parallel),
             "param_types": types,
             "transports": (dist.transport(mesh["dp"].get_group()), dist.transport(mesh["tp"].get_group())),
             "rank": tdist.get_rank()}

@@ -1,6 +1,7 @@
 """Data x tensor parallel training on a 2-D DeviceMesh ("dp", "tp"), with PyTorch's own data-parallel
-engines (DDP through ``replicate``, FSDP2 through ``fully_shard``), against the unsplit model trained
-in one process on the same global batch: 20 AdamW steps with gradient clipping, float64."""
+engines (DDP through ``replicate``, FSDP2 through ``fully_shard``), with and without sequence
+parallelism, against the unsplit model trained in one process on the same global batch: 20 AdamW
+steps with gradient clipping, float64 and float32."""
 import functools
 
 import pytest
@@ -12,8 +13,18 @@ from tests import _mesh_workers as W
 # the clipping norm's shares), ~1e-16 relative per operation; 20 AdamW steps divide by sqrt(v)
 # and amplify that to ~1e-13 at most. 1e-12 is above that and far below any fault: a gradient
 # not averaged over dp, or a norm counting a parameter twice, moves the loss by 1e-3 or more.
-TOL = 1e-12
-LAYOUTS = [(2, 2, "ddp"), (2, 2, "fsdp"), (1, 4, "ddp"), (4, 1, "fsdp")]
+# float32: the same reorderings at float32's rounding unit (6e-8). The loss curve stays within ~3e-7
+# of the reference (the issue's bound, 1e-5, holds). The clipped norm and the trained logits drift
+# further: 20 Adam steps divide by sqrt(v) and float32 keeps fewer digits to start with; measured
+# 1.1-1.3e-5 and 2.4-2.7e-5 at dp2xtp2 and dp1xtp4, and PyTorch's own DDP with no split at all
+# (dp4xtp1) gives 0.6e-5 and 1.3e-5 on the same run. They are held to 1e-4, which a fault (a norm
+# gradient not reduced over the sequence: ~6e-2) still exceeds by far.
+TOL = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-4)}  # (loss, clipped norm and logits)
+LAYOUTS = [(2, 2, "ddp", False, "float64"), (2, 2, "fsdp", False, "float64"), (1, 4, "ddp", False, "float64"),
+           (4, 1, "fsdp", False, "float64"),
+           (2, 2, "ddp", True, "float64"), (2, 2, "fsdp", True, "float64"), (1, 4, "fsdp", True, "float64"),
+           (1, 4, "ddp", True, "float64"),
+           (2, 2, "fsdp", True, "float32"), (2, 2, "ddp", False, "float32")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -21,14 +32,15 @@ def results() -> list:
     return dist.launch(W.mesh_worker, 4, LAYOUTS, deadline=900)  # backend "auto": shared memory
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}{'-sp' * x[3]}-{x[4]}")
 def test_training_on_the_mesh_equals_the_single_process_run(layout):
+    loss_tol, tol = TOL[layout[4]]
     for res in results():
         r = res[layout]
-        assert r["loss_err"] <= TOL, r
-        assert r["norm_err"] <= TOL, r
-        assert r["logits_err"] <= TOL, r
-        assert r["report"] == (layout[2], layout[0], layout[1])
+        assert r["loss_err"] <= loss_tol, r
+        assert r["norm_err"] <= tol, r
+        assert r["logits_err"] <= tol, r
+        assert r["report"] == (layout[2], layout[0], layout[1], layout[3])
         # the mesh's groups over shared memory, as the launch's (a group of one moves nothing)
         assert r["transports"] == tuple("shm" if n > 1 else "gloo" for n in layout[:2]), r["transports"]
 
@@ -42,8 +54,8 @@ def test_the_training_case_has_power():
 
 def test_fsdp_shards_the_parameters_over_dp():
     for res in results():
-        assert res[(2, 2, "fsdp")]["param_types"] == ["DTensor"]
-        assert res[(2, 2, "ddp")]["param_types"] == ["Parameter"]
+        assert res[(2, 2, "fsdp", False, "float64")]["param_types"] == ["DTensor"]
+        assert res[(2, 2, "ddp", False, "float64")]["param_types"] == ["Parameter"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

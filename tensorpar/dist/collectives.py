@@ -110,7 +110,13 @@ def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
             shm.all_gather_single(segment, out, moved)
         else:
             tdist.all_gather_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _back(out, dim)
+
+
+def _back(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """``out`` (gathered or scattered along dim 0) with that dim moved back to ``dim``, as a tensor
+    of its own: a caller may change it in place (a view returned from an autograd Function cannot)."""
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
@@ -132,7 +138,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
         else:
             out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
             tdist.reduce_scatter_single(out, moved, group=group)
-    return out.movedim(0, dim)
+    return _back(out, dim)
 
 
 def _ring_reduce_scatter(moved: torch.Tensor, group) -> torch.Tensor:

@@ -15,7 +15,9 @@ Every one takes the tensor-parallel group explicitly.
     scatter_to_tp_region                       keep own slice (last dim)    all-gather (last dim)
     gather_from_tp_region                      all-gather (last dim)        keep own slice
     scatter_to_sequence_parallel_region        keep own slice (seq)         all-gather (seq)
-    gather_from_sequence_parallel_region       all-gather (seq)             reduce-scatter (seq)
+    gather_from_sequence_parallel_region       all-gather (seq)             reduce-scatter (seq);
+                                                                            keep own chunk when the
+                                                                            gradient is whole
     reduce_scatter_to_sequence_parallel_region reduce-scatter (seq)         all-gather (seq)
 
 The module named in the ledger for a backward collective is the one running when the forward ran.
@@ -239,9 +241,13 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 
     return _apply(_ScatterToRegion, x, group, dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
-    """All-gather along the sequence forward; reduce-scatter the gradient in backward."""
-    return _apply(_GatherSequence, x, group, dim)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 1, *,
+                                         grad_is_partial: bool = True) -> torch.Tensor:
+    """All-gather along the sequence forward. Backward: reduce-scatter the gradient when each rank
+    holds a partial sum of it (the gathered tensor feeds column-parallel linears), else keep this
+    rank's chunk (``grad_is_partial=False``: what follows is replicated, every rank's gradient is
+    the whole one; Megatron-LM's ``tensor_parallel_output_grad=False``)."""
+    return _apply(_GatherSequence if grad_is_partial else _GatherFromRegion, x, group, dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:

@@ -135,3 +135,42 @@ def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
 
         audit_replicas(model, raise_on_drift=True)
     return {"loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm)}
+
+
+def saved_activation_bytes(model, run) -> tuple[dict, object]:
+    """``({module name: bytes}, run())``: the bytes autograd keeps for backward while ``run()``
+    executes (a forward of ``model`` that takes gradients), each under the innermost module of
+    ``model`` running when the tensor was saved (``""``: the model itself or code outside any
+    module). A storage is counted once, at its full size (a view keeps all of it alive), and the
+    model's parameters, which are not activations, not at all. Under FSDP the unsharded
+    parameters a forward gathers are counted, as they stay alive until backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    stack, seen, per = [""], set(), {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key and key not in seen and key not in params:
+            seen.add(key)
+            per[stack[-1]] = per.get(stack[-1], 0) + storage.nbytes()
+        return t
+
+    def enter(name):
+        def hook(module, args):
+            stack.append(name)
+        return hook
+
+    def leave(module, args, output):  # returns None: the output is left as it is
+        stack.pop()
+
+    handles = []
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(enter(name)))
+        handles.append(mod.register_forward_hook(leave, always_call=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+    finally:
+        for h in handles:
+            h.remove()
+    return per, out

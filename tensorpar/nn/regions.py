@@ -17,6 +17,13 @@ reduction). Megatron-LM's ``f`` / ``g`` pair (Shoeybi et al. 2019, sec. 3) bound
 - :func:`rank0_only`: a replicated bias added inside a partial-sum region (an expert's down
   projection bias) would be summed ``p`` times; the module sees it on rank 0 and zeros elsewhere,
   and its gradient (rank 0's, zero elsewhere) is all-reduced so every copy steps alike.
+
+Under sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2) the stretch between regions
+(norms, residuals, dropout) runs on this rank's chunk of the sequence: ``enter_region(...,
+sequence=True)`` all-gathers the chunks into the region (reduce-scatter of dX in backward), the
+row-parallel linears leave by reduce-scatter, and :func:`scatter_sequence` /
+:func:`gather_sequence` cut the hidden states into chunks before the first block and join them
+after the last.
 """
 from __future__ import annotations
 
@@ -69,11 +76,68 @@ def _copy_in(module, args, kwargs, *, group):
     return args, kwargs
 
 
-def enter_region(module, group, *, all_inputs: bool = False):
+def _gather_in(module, args, kwargs, *, group):
+    """The hidden states' sequence chunks all-gathered (dX reduce-scattered in backward); an
+    encoder's states for cross-attention, which are not chunked, copied in as ``f``."""
+    x = hidden_input(args, kwargs)
+    if x is None:
+        raise ValueError(f"{type(module).__name__} is a sequence-parallel region but was called without "
+                         f"a positional tensor input or hidden_states=; it cannot gather the sequence")
+    if x.dim() < 3:
+        raise ValueError(f"{type(module).__name__}: a sequence-parallel region's input must be "
+                         f"(batch, seq/tp, hidden); got shape {tuple(x.shape)}")
+    args, kwargs = replace_input(args, kwargs, x, dist.gather_from_sequence_parallel_region(x, group=group, dim=1))
+    for key in CROSS_INPUTS:
+        kv = kwargs.get(key)
+        if isinstance(kv, torch.Tensor) and kv is not x:
+            kwargs = {**kwargs, key: dist.copy_to_tp_region(kv, group=group)}
+    return args, kwargs
+
+
+def enter_region(module, group, *, all_inputs: bool = False, sequence: bool = False):
     """``f`` on ``module``'s hidden-states input (``all_inputs``: on every floating-point tensor
-    input); returns the hook handle."""
-    hook = _copy_all if all_inputs else _copy_in
+    input; ``sequence``: the sequence chunks all-gathered instead); returns the hook handle."""
+    if sequence and all_inputs:
+        raise ValueError("a region that takes every input as a partial gradient has no sequence-parallel form")
+    hook = _gather_in if sequence else _copy_all if all_inputs else _copy_in
     return module.register_forward_pre_hook(partial(hook, group=group), with_kwargs=True)
+
+
+def _scatter_in(module, args, kwargs, *, group):
+    x = hidden_input(args, kwargs)
+    if x is None or x.dim() < 3:
+        got = "no tensor" if x is None else f"shape {tuple(x.shape)}"
+        raise ValueError(f"{type(module).__name__} starts the sequence-parallel stretch and needs "
+                         f"hidden states (batch, seq, hidden) as its first input; got {got}")
+    p = dist.get_world_size(group)
+    if x.shape[1] % p:
+        raise ValueError(f"sequence parallelism splits the sequence ({x.shape[1]} tokens) over tp={p} ranks; "
+                         f"give a sequence length that is a multiple of {p} (pad it), or parallelize "
+                         f"without sequence_parallel (decoding one token at a time needs that)")
+    return replace_input(args, kwargs, x, dist.scatter_to_sequence_parallel_region(x, group=group, dim=1))
+
+
+def _gather_out(module, args, output, *, group):
+    def whole(t):  # what follows the blocks runs on the whole sequence, on every rank alike
+        return dist.gather_from_sequence_parallel_region(t, group=group, dim=1, grad_is_partial=False)
+    if isinstance(output, torch.Tensor):
+        return whole(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (whole(output[0]), *output[1:])
+    raise ValueError(f"{type(module).__name__} ends the sequence-parallel stretch but returned "
+                     f"{type(output).__name__}; expected a tensor or a tuple starting with one")
+
+
+def scatter_sequence(module, group):
+    """Cut ``module``'s hidden-states input into this rank's sequence chunk (all-gather of dX in
+    backward); returns the hook handle."""
+    return module.register_forward_pre_hook(partial(_scatter_in, group=group), with_kwargs=True)
+
+
+def gather_sequence(module, group):
+    """All-gather ``module``'s output (its first element for a tuple) along the sequence; backward
+    keeps this rank's chunk of the whole gradient. Returns the hook handle."""
+    return module.register_forward_hook(partial(_gather_out, group=group))
 
 
 def _reduce_out(module, args, output, *, group):
@@ -171,6 +235,33 @@ def same_forward(module) -> bool:
         if not (entry or substitute and all(t.grad_only for t in subs.transforms.values())):
             return False
     return True
+
+
+def substituted(module) -> set:
+    """The parameters of ``module`` that a forward sees transformed (:func:`sync_grad`, :func:`rank0_only`)."""
+    subs = module.__dict__.get("_tp_substitutes")
+    return set(subs.transforms) if subs is not None else set()
+
+
+def drop_substitute(module, attr: str) -> None:
+    """Undo :func:`sync_grad` / :func:`rank0_only` of ``module.attr`` (the hooks go with the last one)."""
+    subs = module.__dict__.get("_tp_substitutes")
+    if subs is not None:
+        subs.transforms.pop(attr, None)
+        if not subs.transforms:
+            remove_substitutes(module)
+
+
+def swap_entry(module, *, sequence: bool):
+    """Turn the region entry installed on ``module`` by :func:`enter_region` into its
+    sequence-parallel form (``sequence=True``) or back, in place (same hook slot, so the order of
+    the module's hooks is kept); returns the callable that restores it."""
+    want, have = (_gather_in, _copy_in) if sequence else (_copy_in, _gather_in)
+    for key, hook in module._forward_pre_hooks.items():
+        if isinstance(hook, partial) and hook.func is have:
+            module._forward_pre_hooks[key] = partial(want, **hook.keywords)
+            return lambda: module._forward_pre_hooks.__setitem__(key, hook)
+    raise ValueError(f"{type(module).__name__} has no hidden-states region entry to turn into a sequence gather")
 
 
 def remove_substitutes(module) -> None:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.dist import mesh as data_mesh
 from tensorpar.nn.layers import tp_info
-from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R
+from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R, sequence as SP
 from tensorpar.sharding.certify import certify
 from tensorpar.sharding.feasibility import report as feasibility_report
 from tensorpar.sharding.plan import base_prefix
@@ -39,7 +40,7 @@ MAX_ATTEMPTS = 8  # build -> prove rounds: each one leaves at least one more uni
 
 
 def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data_parallel: str | None = None,
-                example_inputs=None, prove: bool = True) -> nn.Module:
+                sequence_parallel: bool = False, example_inputs=None, prove: bool = True) -> nn.Module:
     """Shard ``model`` over the ranks of ``tp_group`` (None: world) following ``plan``; return it.
 
     ``plan``: ``"auto"`` (the registry's plan for ``config.model_type``, else the model's own
@@ -54,10 +55,17 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     parallelism inside ``mesh["tp"]``, data parallelism across ``mesh["dp"]`` by PyTorch's own
     engines, ``data_parallel="ddp"`` (replicated, ZeRO-0) or ``"fsdp"`` (FSDP2, ZeRO-3); see
     :mod:`tensorpar.dist.mesh`. Each dp rank then trains on its own slice of the batch.
+
+    ``sequence_parallel=True``: between the regions of each block (norms, residuals, dropout)
+    every rank holds only its chunk of the sequence, all-gathered into each region and
+    reduce-scattered out of it (:mod:`tensorpar.sharding.sequence`); the sequence length must
+    then divide by tp. Proved, with ``prove``, against the split model without it.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_dense(model)
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     data_mesh.check_args(mesh, tp_group, data_parallel)
     if mesh is not None:
         tp_group = data_mesh.tp_group_of(mesh)
@@ -66,6 +74,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     res = R.resolve(model, plan, tp_size, example_inputs)
     res.layer_params_total = sum(p.numel() for _, b in probes.blocks(model) for p in b.parameters())
     _check(model, res, tp_size)
+    seq_blocks = SP.check(model, res, tp_size) if sequence_parallel else None
     on_meta = any(p.is_meta for p in model.parameters())
     evidence = None
     if prove and tp_size > 1 and on_meta:  # no weights to run: prove a small replica instead
@@ -86,6 +95,9 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
         _fall_back(res, failed)
     else:
         raise ValueError(f"could not split {type(model).__name__} exactly after {MAX_ATTEMPTS} attempts")
+    if sequence_parallel:
+        _sequence_parallel(model, res, seq_blocks, tp_group, tp_size, undo,
+                           prove and not on_meta, example_inputs)
     C.tag_params(model, built, tp_size, res)
     model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
@@ -100,7 +112,39 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
             raise
         model.tp_report.data_parallel, model.tp_report.dp_group = data_parallel, mesh["dp"].get_group()
         model.tp_report.dp_size = mesh["dp"].size()
+    model.tp_report.sequence_parallel = sequence_parallel
     return model
+
+
+def _sequence_parallel(model, res, blist, tp_group, tp_size, undo, prove: bool, given_inputs) -> None:
+    """Sequence parallelism on the split model; with ``prove``, the model's output and every
+    gradient with it equal those without it (rounding only), else everything is undone."""
+    try:
+        inputs = SP.example(model, given_inputs, tp_size) if prove else None
+        before = SP.run(model, inputs) if prove else None
+        SP.apply(model, res, blist, tp_group, undo)
+        if not prove:
+            return
+        try:
+            after = SP.run(model, inputs)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the same on every rank
+            raise ValueError(f"sequence_parallel=True: {type(model).__name__} fails on sequence chunks "
+                             f"({type(exc).__name__}: {exc}); use sequence_parallel=False") from exc
+        errors = SP.differences(model, before, after, blist)
+        tol = P.TOLERANCE.get(probes.least_precise({before[2], after[2]}), 1e-4)
+        keys = sorted(errors)
+        worst = torch.tensor([errors[k][0] for k in keys], dtype=torch.float64)
+        from tensorpar import dist
+        dist.all_reduce(worst, tp_group, op="max")  # every rank reaches the same verdict
+        bad = {k: e for k, e in zip(keys, worst.tolist()) if not e <= tol}
+        if bad:
+            where = "; ".join(f"{k}{f' (worst here: {errors[k][1]})' if errors[k][1] else ''}: {e:.1e}"
+                              for k, e in bad.items())
+            raise ValueError(f"sequence_parallel=True does not compute {type(model).__name__}'s function "
+                             f"(relative error above {tol:.0e}: {where}); use sequence_parallel=False")
+    except BaseException:
+        undo.revert()
+        raise
 
 
 def _fall_back(res, failed: dict) -> None:

@@ -120,19 +120,11 @@ def commit(model, res, built: dict, tp_group, tp_size: int) -> Undo:
                 owner, _, attr = name.rpartition(".")
                 module = model.get_submodule(owner)
                 regions.sync_grad(module, attr, tp_group)
-                undo.add(partial(_drop_transform, module, attr))
+                undo.add(partial(regions.drop_substitute, module, attr))
     except BaseException:
         undo.revert()
         raise
     return undo
-
-
-def _drop_transform(module, attr) -> None:
-    subs = module.__dict__.get("_tp_substitutes")
-    if subs is not None:
-        subs.transforms.pop(attr, None)
-        if not subs.transforms:
-            regions.remove_substitutes(module)
 
 
 def _put(model, name, b, tp_group, undo) -> None:
@@ -146,7 +138,7 @@ def _put(model, name, b, tp_group, undo) -> None:
         _swap_param(owner, attr, param, undo)
     for attr in b.rank0:
         regions.rank0_only(owner, attr, tp_group)
-        undo.add(partial(_drop_transform, owner, attr))
+        undo.add(partial(regions.drop_substitute, owner, attr))
 
 
 def _regions(model, res, tp_group, tp_size, undo) -> None:

@@ -33,6 +33,7 @@ class ParallelizeReport:
     layer_params_per_rank: int = 0
     layers_replicated: list = field(default_factory=list)  # [(module, params)] left whole in the blocks
     data_parallel: str | None = None  # "ddp" or "fsdp" across dp_group (parallelize(mesh=...))
+    sequence_parallel: bool = False  # blocks run on sequence chunks between their regions
     dp_group: object = None
     dp_size: int = 1
 
@@ -83,4 +84,5 @@ class ParallelizeReport:
                 "layer_share": self.layer_share, "layers_replicated": [list(x) for x in self.layers_replicated],
                 "params_total": self.params_total, "params_per_rank": self.params_per_rank,
                 "param_fraction": self.param_fraction, "data_parallel": self.data_parallel, "dp_size": self.dp_size,
+                "sequence_parallel": self.sequence_parallel,
                 "feasibility": None if self.feasibility is None else self.feasibility.to_dict()}
