@@ -214,7 +214,8 @@ def uses_inventory(args) -> bool:
 def main_inventory(args) -> int:
     from tensorpar.sharding.inventory import build_inventory
 
-    given = [flag for attr, default, flag in _FORMULA_ONLY if getattr(args, attr) != default]
+    mesh = ("dp", "zero_stage", "sequence_parallel") if args.workload == "train" else ()  # planned on a mesh
+    given = [flag for attr, default, flag in _FORMULA_ONLY if getattr(args, attr) != default and attr not in mesh]
     given += [f"--{k.replace('_', '-')}" for k in SHAPES if getattr(args, k) is not None and k != "seq"]
     if given:
         raise ValueError(f"{', '.join(given)}: planned by the formula path only (presets, or --model of "
@@ -226,8 +227,9 @@ def main_inventory(args) -> int:
         inv = build_inventory(path, args.tp, head=True)
     seq = args.seq or _max_positions(path)
     workload = "train" if args.workload == "train" else "inference"
-    report = P.plan_inventory(inv, build_hardware(args), batch=args.micro_batch, seq=seq, dtype=args.dtype,
-                              workload=workload)
+    report = P.plan_inventory(inv, build_hardware(args), batch=args.micro_batch * args.dp, seq=seq,
+                              dtype=args.dtype, workload=workload, dp=args.dp, zero_stage=args.zero_stage,
+                              sequence_parallel=args.sequence_parallel)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -273,8 +275,17 @@ def _render_inventory(r) -> None:
         t.add_row(part, "not counted" if mem[part] is None else _bytes(mem[part]))
     t.add_row("capacity", _bytes(r.hardware["mem_bytes"]))
     console.print(t)
+    mesh = r.comm.get("mesh_step")
+    if mesh is not None:
+        how = f"dp={mesh['dp']} ({mesh['data_parallel']}) x tp={mesh['tp']}" + (
+            ", sequence parallel" if mesh["sequence_parallel"] else "")
+        for part in ("tp", "dp"):
+            items = mesh[f"{part}_items"]
+            total = sum(i["total_bytes_sent_per_rank"][0] for i in items)
+            console.print(_prediction_table({"items": items, "bytes_sent_per_rank": [total]},
+                                            f"{part} collectives per training step on {how}, rank 0"))
     for key, title in (("step", "per step"), ("decode_step", "per decode step")):
-        if r.comm[key] is not None:
+        if r.comm[key] is not None and not (mesh is not None and key == "step"):
             console.print(_prediction_table(r.comm[key], f"collectives {title} ({r.comm[key]['workload']}), rank 0"))
     t = _table("time: lower bounds", "bound", "lower bound")
     for key, value in r.bounds.items():

@@ -26,7 +26,7 @@ from torch.autograd.graph import increment_version
 from tensorpar.dist import flight, wire
 from tensorpar.dist.groups import get_rank as group_rank
 from tensorpar.dist.groups import get_world_size as group_size
-from tensorpar.dist.groups import refuse_planning
+from tensorpar.dist.groups import group_name, refuse_planning
 from tensorpar.dist.ledger import Ledger, active_ledger
 from tensorpar.dist import shm
 from tensorpar.dist.shm import transport
@@ -44,7 +44,7 @@ def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None
     if led is not None:
         algorithm = {"gloo": "tree", "shm": "shared"}.get(transport(group), "chain")
         led.record(op, tensor, group_size(group), phase=phase, module=module, shape=shape,
-                   rank=group_rank(group), src=src, broadcast_algorithm=algorithm)
+                   rank=group_rank(group), src=src, broadcast_algorithm=algorithm, group=group_name(group))
     return led
 
 

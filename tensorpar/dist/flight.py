@@ -41,6 +41,7 @@ _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "b
 _SLOT = None  # this rank's shared slot (set by the launcher in a spawned rank)
 _VIEW = None  # its bytes
 _SEQ: dict = {}  # group ranks -> collectives issued on it
+_OWN = [False]  # between enter and leave of one of tensorpar's own collectives
 _GROUP_RANKS: dict = {}
 _CHECK = [os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "") not in ("", "0")]
 # Two ranks of a group in different collectives for this long cannot be one still leaving the
@@ -136,6 +137,7 @@ def enter(op: str, tensor: torch.Tensor | None, group, module: str | None = None
     """:func:`issuing`'s first half, for a hot path that spares the context manager: returns the
     collective's number, which :func:`leave` takes once it is done (not when it raised: the
     state stays "in", which names where the rank stopped)."""
+    _OWN[0] = True
     ranks = _ranks_of(group)
     seq = _SEQ[ranks] = _SEQ.get(ranks, 0) + 1
     if _SLOT is None and not _CHECK[0]:
@@ -154,8 +156,15 @@ def enter(op: str, tensor: torch.Tensor | None, group, module: str | None = None
 
 
 def leave(seq: int) -> None:
+    _OWN[0] = False
     if _SLOT is not None:
         _write("out", seq)
+
+
+def own_call() -> bool:
+    """Whether one of tensorpar's own collectives is being issued (a backend that sees a call can
+    tell it from one PyTorch issues itself: DDP's gradient buckets, FSDP's all-gathers)."""
+    return _OWN[0]
 
 
 _CALLS: dict = {}  # (op, shape, dtype, ranks, module) -> the call as the slot describes it

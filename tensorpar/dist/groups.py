@@ -81,6 +81,13 @@ def get_world_size(group=None) -> int:
     return tdist.get_world_size(group) if is_initialized() else 1
 
 
+def group_name(group=None) -> str:
+    """``group``'s name as torch keeps it (``ProcessGroup.group_name``; ``""`` without one): what
+    the ledger records, so that collectives on the dp and tp groups of a mesh can be told apart."""
+    pg = _process_group(group)
+    return getattr(pg, "group_name", "") if isinstance(pg, tdist.ProcessGroup) else ""
+
+
 def get_backend(group=None) -> str:
     return tdist.get_backend(group) if is_initialized() else "none"
 

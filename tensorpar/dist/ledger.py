@@ -81,6 +81,7 @@ class CollectiveRecord:
     wire_bytes_sent: int | None = None  # what the TCP sockets carried (``ledger(wire=True)``)
     wire_bytes_received: int | None = None
     seconds: float | None = None  # this rank's wall time in the call (synchronous calls; None: async)
+    group: str = ""  # the process group's name (``ProcessGroup.group_name``): which mesh dimension
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -102,14 +103,16 @@ class Ledger:
         return self._stack[-1] if self._stack else ""
 
     def record(self, op: str, tensor: torch.Tensor, group_size: int, *, phase: str, module: str | None = None,
-               shape: tuple | None = None, rank: int = 0, src: int = 0, broadcast_algorithm: str = "chain") -> None:
+               shape: tuple | None = None, rank: int = 0, src: int = 0, broadcast_algorithm: str = "chain",
+               group: str = "") -> None:
         shape = tuple(tensor.shape) if shape is None else tuple(shape)
         payload = math.prod(shape) * tensor.element_size()
         self.records.append(CollectiveRecord(
             op=op, module=self.current_module() if module is None else module, phase=phase, shape=shape,
             dtype=str(tensor.dtype).removeprefix("torch."), group_size=group_size,
             payload_bytes=payload, bytes_sent=ring_bytes_sent(op, payload, group_size, rank=rank, src=src,
-                                                               broadcast_algorithm=broadcast_algorithm)))
+                                                               broadcast_algorithm=broadcast_algorithm),
+            group=group))
 
     def set_wire(self, record_index: int, sent: int, received: int) -> None:
         self.records[record_index] = replace(self.records[record_index], wire_bytes_sent=sent,

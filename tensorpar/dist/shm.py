@@ -38,7 +38,8 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from tensorpar.dist import shm_segment as seg
+from tensorpar.dist import flight, shm_segment as seg
+from tensorpar.dist.ledger import active_ledger
 
 BACKEND = "tpshm"
 SLOT_BYTES = int(os.environ.get("TENSORPAR_SHM_SLOT_BYTES", str(1 << 20)))
@@ -84,8 +85,23 @@ class ShmProcessGroup(tdist.ProcessGroup):
     def name(self) -> str:
         return BACKEND
 
+    def _seen(self, op: str, tensor: torch.Tensor, shape=None, src: int = 0) -> None:
+        """A collective PyTorch issued on this group itself (DDP's gradient buckets, FSDP2's
+        parameter all-gathers and gradient reduce-scatters), recorded into the open ledger as
+        tensorpar's own are: ``phase`` backward while autograd runs a backward pass, the module the ledger
+        sees running (FSDP's forward all-gathers: the block about to run), else ``data_parallel``."""
+        led = active_ledger()
+        if led is None or flight.own_call():
+            return
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"  # also its final callbacks
+        led.record(op, tensor, self.size(), phase=phase, module=led.current_module() or "data_parallel",
+                   shape=shape, rank=self.rank(), src=src, broadcast_algorithm="shared" if self.segment else "tree",
+                   group=self._name)
+
     # ---- served over shared memory --------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        for t in tensors:
+            self._seen("all_reduce", t)
         op = _op(opts)
         if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or op not in _REDUCE:
             return self._gloo.allreduce(tensors, opts) if opts is not None else self._gloo.allreduce(tensors)
@@ -93,12 +109,14 @@ class ShmProcessGroup(tdist.ProcessGroup):
         return _done(tensors)
 
     def all_gather_single(self, output, input, opts=None):
+        self._seen("all_gather", output)
         if self.segment is None or not _cpu([output, input]) or not _contiguous([output, input]):
             return self._gloo._allgather_base(output, input, *(() if opts is None else (opts,)))
         all_gather_single(self.segment, output, input)
         return _done([output])
 
     def allgather(self, output_lists, inputs, opts=None):
+        self._seen("all_gather", inputs[0], shape=(self.size() * inputs[0].numel(),))
         if (self.segment is None or len(inputs) != 1 or not _cpu(inputs + output_lists[0])
                 or not _contiguous(inputs) or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
                                                   for o in output_lists[0])):
@@ -111,6 +129,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         return _done(output_lists)
 
     def reduce_scatter_single(self, output, input, opts=None):
+        self._seen("reduce_scatter", input)
         op = _op(opts)
         if self.segment is None or not _cpu([output, input]) or not _contiguous([output]) or op not in _REDUCE:
             return self._gloo._reduce_scatter_base(output, input, *(() if opts is None else (opts,)))
@@ -119,6 +138,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         return _done([output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
+        self._seen("reduce_scatter", outputs[0], shape=(self.size() * outputs[0].numel(),))
         op = _op(opts)
         if (self.segment is None or len(outputs) != 1 or not _cpu(outputs + input_lists[0]) or op not in _REDUCE
                 or not _contiguous(outputs) or any(i.numel() != outputs[0].numel() or i.dtype != outputs[0].dtype
@@ -129,6 +149,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         return _done(outputs)
 
     def broadcast(self, tensors, opts=None):
+        self._seen("broadcast", tensors[0], src=opts.rootRank if opts is not None else 0)
         if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or not _contiguous(tensors):
             return self._gloo.broadcast(tensors, *(() if opts is None else (opts,)))
         _broadcast(self.segment, tensors[0], opts.rootRank if opts is not None else 0)

@@ -74,9 +74,9 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     first_row = fsdp_first_row(report) if fsdp else None
     sq = sum(_share_of_square(p, first_row) for p in params).reshape(1)  # (1,)
     if tp_size > 1:
-        dist.all_reduce(sq, group=group)  # sum of every rank's share
+        dist.all_reduce(sq, group=group, module="clip_grad_norm")  # sum of every rank's share
     if fsdp:  # each dp rank holds other rows of the same tp shard: their squares add up
-        dist.all_reduce(sq, group=report.dp_group)
+        dist.all_reduce(sq, group=report.dp_group, module="clip_grad_norm")
     total = sq.sqrt()[0]
     coef = (max_norm / (total + eps)).clamp(max=1.0)
     for p in params:

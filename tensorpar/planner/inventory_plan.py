@@ -29,6 +29,7 @@ from .collectives import collective_time_lower_bound
 from .hardware import Hardware
 from .inventory import ModelInventory
 from .layout import DTYPE_BYTES, check_choice, check_size
+from . import mesh
 from .memory import model_state_bytes
 from .runtime import predict_from_inventory
 from .timing import compute_time_lower_bound, memory_time_lower_bound, steps_per_s_upper_bound
@@ -80,19 +81,48 @@ class InventoryPlanReport:
 
 
 def plan_inventory(inv: ModelInventory, hardware: Hardware, *, batch: int = 1, seq: int = 2048,
-                   dtype: str = "bf16", workload: str = "inference") -> InventoryPlanReport:
-    """Plan ``inv`` (built with its output head) for ``batch`` sequences of ``seq`` tokens."""
+                   dtype: str = "bf16", workload: str = "inference", dp: int = 1, zero_stage: int = 0,
+                   sequence_parallel: bool = False) -> InventoryPlanReport:
+    """Plan ``inv`` (built with its output head) for ``batch`` sequences of ``seq`` tokens.
+
+    Training on a ``dp x tp`` mesh (``dp``, ``zero_stage`` 0: DDP, 3: FSDP2, ``sequence_parallel``;
+    ``batch`` is then the global batch, ``batch / dp`` per dp rank) is planned by
+    :func:`.mesh.mesh_step` and :func:`.mesh.state_bytes`: ``comm["mesh_step"]`` holds its tensor- and
+    data-parallel collectives, and the model states per device are what such a run holds (AdamW's
+    moments in the model's dtype, no master copy)."""
     check_size("batch", batch)
     check_size("seq", seq)
+    check_size("dp", dp)
     check_choice("dtype", dtype, tuple(DTYPE_BYTES))
     check_choice("workload", workload, WORKLOADS)
+    if zero_stage not in (0, 3):
+        raise ValueError(f"zero_stage ({zero_stage!r}) must be one of: 0 (DDP), 3 (FSDP2): the data-parallel "
+                         f"engines tensorpar runs on a mesh")
     if not inv.head:
         raise ValueError("plan_inventory needs the inventory of the model with its output head (head=True)")
+    on_mesh = dp > 1 or zero_stage or sequence_parallel
+    if on_mesh and workload != "train":
+        raise ValueError("dp, zero_stage and sequence_parallel plan a training step: use workload='train'")
     e = DTYPE_BYTES[dtype]
-    step = predict_from_inventory(inv, batch, seq, e, "train" if workload == "train" else "logits")
+    step = predict_from_inventory(inv, batch // dp if batch % dp == 0 else batch, seq, e,
+                                  "train" if workload == "train" else "logits")
     decode = predict_from_inventory(inv, batch, seq, e, "decode") if inv.causal else None
     params = inv.params_per_rank()
     mem = _memory(inv, params, e, batch, seq, workload)
+    mesh_step = None
+    if on_mesh:
+        kind = "fsdp" if zero_stage == 3 else "ddp"
+        ranks = [mesh.mesh_step(inv, dp=dp, data_parallel=kind, sequence_parallel=sequence_parallel, batch=batch,
+                                seq=seq, e=e, tp_rank=r) for r in range(inv.tp)]
+        mesh_step = {"dp": dp, "tp": inv.tp, "data_parallel": kind, "sequence_parallel": sequence_parallel,
+                     "tp_items": [i.to_dict() for i in ranks[0]["tp"]],
+                     "dp_items": [i.to_dict() for i in ranks[0]["dp"]],
+                     "dp_bytes_sent_per_tp_rank": [sum(i.total_bytes_sent_per_rank[0] for i in r["dp"]) for r in ranks]}
+        states = max((mesh.state_bytes(inv, dp=dp, data_parallel=kind, e=e, tp_rank=r) for r in range(inv.tp)),
+                     key=lambda s: s["total"])
+        mem = {"weights": states["params"], "gradients": states["grads"], "optimizer": states["optimizer"],
+               "activations": None, "kv_cache": 0}
+        mem["total"] = sum(v for v in mem.values() if v is not None)
     flops = _flops(inv, batch, seq, workload)
     bounds = _bounds(inv, hardware, dtype, e, batch, seq, flops, step, decode)
     reasons = _memory_reasons(mem, hardware)
@@ -101,7 +131,8 @@ def plan_inventory(inv: ModelInventory, hardware: Hardware, *, batch: int = 1, s
         hardware=hardware.to_dict(), params=inv.params_total, params_per_rank=params,
         param_bytes_per_rank=[n * e for n in params], valid_tp_sizes=list(inv.valid_tp_sizes),
         fixes=list(inv.fixes), whole=dict(inv.whole), flops=flops, kv_cache=_kv(inv, e, batch, seq),
-        memory_per_device=mem, comm={"step": step.to_dict(), "decode_step": decode and decode.to_dict()},
+        memory_per_device=mem, comm={"step": step.to_dict(), "decode_step": decode and decode.to_dict(),
+                                     "mesh_step": mesh_step},
         bounds=bounds, feasible=not reasons, reasons=reasons, notes=list(inv.notes) + step.notes)
 
 
