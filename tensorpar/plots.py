@@ -85,3 +85,20 @@ def _node_marker(ax, rows: list[dict], devices_per_node: int) -> None:
         return
     ax.axvline(inside - 0.5, color="grey", linestyle=":",
                label=f"node boundary ({devices_per_node} devices per node)")
+
+
+def plot_losses(steps: list, losses: list, path: str, *, title: str = "") -> str:
+    """The loss of every step a training run took, as a PNG; returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, color="tab:blue", marker="o" if len(losses) <= 40 else None, markersize=3)
+    ax.set(xlabel="step", ylabel="loss (next-token cross-entropy)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -15,7 +15,7 @@ import os
 import sys
 
 # Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py.
-SUBCOMMANDS = ("run", "verify", "plan", "bench", "demo")
+SUBCOMMANDS = ("run", "train", "verify", "plan", "bench", "demo")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -64,3 +64,10 @@ def apply(model: nn.Module, mesh, data_parallel: str, blocks=()) -> None:
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+
+
+def init_mesh(dp: int, tp: int, device_type: str = "cpu"):
+    """The ``("dp", "tp")`` DeviceMesh over the world's ``dp * tp`` ranks: rank ``r`` at
+    ``(r // tp, r % tp)``, so each tp group is ``tp`` consecutive ranks (one node under torchrun)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
+from tensorpar.data.tokens import has_tokenizer
 from tensorpar.jobs.common import check_length
 
 DEFAULT_PROMPT = "Tensor parallelism splits a model across"
@@ -60,10 +61,6 @@ def options_given(options: dict) -> list[str]:
     from tensorpar.models.generation import generate
     defaults = inspect.signature(generate).parameters
     return [f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v != defaults[k].default]
-
-
-def has_tokenizer(path: Path) -> bool:
-    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
 
 
 def prompt_rows(ckpt, prompt, prompt_ids) -> list[list[int]]:

@@ -1,0 +1,438 @@
+"""`tensorpar train`: a causal LM trained on a ``("dp", "tp")`` mesh of local ranks (or torchrun's).
+
+Checked before any rank starts (``ValueError`` naming the value and what is valid): the numbers;
+the layout (tp must split the model's heads: its feasibility check; zero 0 or 3; the global batch
+divisible by dp; the sequence by tp under sequence parallelism; dp x tp equal to torchrun's
+WORLD_SIZE); the checkpoint; the data (every id inside the vocabulary); the checkpoint to resume
+from. Then, on every rank:
+
+- the checkpoint loaded dense and split by ``parallelize(mesh=, data_parallel="ddp"`` (zero 0)
+  ``| "fsdp"`` (zero 3) ``, sequence_parallel=)``; AdamW over its parameters;
+- with ``resume``, ``tensorpar.load`` (saved at any layout) and training goes on from its step;
+- step ``s`` trains on the global batch :func:`tensorpar.data.batch_for_step` draws from ``s`` and
+  the seed alone, dp rank ``d`` on its rows ``[d B/dp, (d+1) B/dp)``; ``train_step`` clips the
+  norm of the whole model's gradient; the loss reported is the dp mean of the ranks' mean losses,
+  which is the global batch's mean (every rank has as many rows);
+- every ``save_every`` steps ``tensorpar.save``; at the end ``tensorpar.export`` if asked.
+
+Each rank reports the bytes it holds: parameters, gradients and optimizer state (its local
+tensors; under FSDP its shards), its peak RSS, and on a GPU torch's peak allocation.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tensorpar import dist
+from tensorpar.data import batch_for_step, open_tokens
+from tensorpar.plots import plot_losses
+from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
+                                   open_checkpoint, quiet_transformers)
+
+ZERO = {0: "ddp", 3: "fsdp"}  # --zero: the ZeRO stage, and PyTorch's engine that gives it
+TRAIN_DTYPES = ("float32", "float64", "bfloat16")
+TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
+COLLECTIVE_TIMEOUT_S = 300.0  # a checkpoint's barrier waits for the slowest rank's writes
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: str | None = None  # a Hugging Face causal-LM directory; None: a tiny Llama made in ``out``
+    tp: int = 2
+    dp: int = 2
+    sequence_parallel: bool = False
+    zero: int = 0
+    steps: int = 20
+    lr: float = 1e-3
+    batch: int = 8  # global sequences per step
+    seq: int = 64
+    data: str | None = None  # a UTF-8 text file, a folder of .npy ids; None: the packaged corpus
+    save_every: int | None = None
+    out: str = "tensorpar-train"
+    resume: str | None = None
+    export: str | None = None
+    max_norm: float = 1.0
+    weight_decay: float = 0.01
+    seed: int = 0
+    dtype: str = "float32"
+    backend: str = "auto"
+
+
+@dataclass
+class TrainReport:
+    model: str
+    model_path: str
+    generated_model: bool  # no model given: a tiny random Llama made offline in ``out``
+    data: dict  # kind (text, npy, packaged), path, tokenizer, tokens
+    layout: dict  # dp, tp, zero, data_parallel, sequence_parallel, world_size, backend
+    dtype: str
+    batch: int
+    seq: int
+    lr: float
+    weight_decay: float
+    max_norm: float
+    seed: int
+    start_step: int  # 0, or the step of the checkpoint resumed from
+    steps: int
+    step_numbers: list
+    losses: list  # per step: the global batch's mean next-token cross-entropy
+    grad_norms: list  # per step: the whole model's gradient norm before clipping
+    tokens_per_s: list  # per step: global batch tokens over the step's wall time
+    memory_per_rank: list
+    checkpoints: list
+    resumed_from: str | None
+    export: str | None
+    png: str | None
+    out: str
+
+    def to_dict(self) -> dict:
+        return {"ok": True, **asdict(self)}
+
+
+def train(cfg: TrainConfig, *, on_event=None, phase=no_phase) -> TrainReport:
+    """Train as ``cfg`` says (see the module); ``on_event(dict)``: rank 0's progress (``start``,
+    each ``step``, each ``save``), called in this process."""
+    with phase("checking the arguments, the model and the data"):
+        plan = prepare(cfg)
+    relay, world = _Relay(on_event), cfg.dp * cfg.tp
+    try:
+        with phase(f"{world} ranks: load the model, split it, train"):
+            per_rank = dist.launch(train_worker, world, plan["spec"], plan["tokens"], relay.sink,
+                                   backend=cfg.backend, timeout=COLLECTIVE_TIMEOUT_S, deadline=None)
+    finally:
+        relay.close()
+    return _report(cfg, plan, per_rank)
+
+
+# ---- before any rank starts ----------------------------------------------------------------------
+
+def prepare(cfg: TrainConfig) -> dict:
+    """Every check, then the model (made if none is given), the tokens and the ranks' spec."""
+    _check_numbers(cfg)
+    _check_layout(cfg)
+    _check_folders(cfg)
+    _check_world(cfg.dp * cfg.tp, cfg.backend)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = open_checkpoint(_tiny_model(out, cfg.seed) if cfg.model is None else cfg.model)
+    if not is_decoder(ckpt):
+        raise ValueError(f"--model {str(ckpt.path)!r} is a {ckpt.family} model without a causal-LM head; "
+                         f"tensorpar train trains causal LMs (Llama, Mistral, Qwen2, GPT-2, ...)")
+    fixes = check_tp(ckpt, cfg.tp)
+    check_length(ckpt, cfg.seq, f"--seq {cfg.seq}")
+    tokens = open_tokens(cfg.data, _vocab_size(ckpt), ckpt.path)
+    if len(tokens) < cfg.seq:
+        raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of --seq {cfg.seq}; "
+                         f"use --seq {max(2, len(tokens))} or less, or more data")
+    start, folder = _resume_point(cfg)
+    spec = {"path": str(ckpt.path), "dtype": cfg.dtype, "dp": cfg.dp, "tp": cfg.tp,
+            "data_parallel": ZERO[cfg.zero], "sequence_parallel": cfg.sequence_parallel,
+            "start": start, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq, "seed": cfg.seed,
+            "lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_norm": cfg.max_norm,
+            "save_every": cfg.save_every, "save_dir": str(out / "checkpoints"),
+            "resume": folder, "export": None if cfg.export is None else str(Path(cfg.export))}
+    return {"spec": spec, "tokens": tokens, "ckpt": ckpt, "fixes": fixes, "out": out}
+
+
+def _check_numbers(cfg: TrainConfig) -> None:
+    for name in ("tp", "dp", "steps", "batch", "seq") + (("save_every",) if cfg.save_every is not None else ()):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if cfg.dtype not in TRAIN_DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype!r} is not supported for training; valid: {', '.join(TRAIN_DTYPES)}")
+    for name, value, positive in (("lr", cfg.lr, True), ("max_norm", cfg.max_norm, True),
+                                  ("weight_decay", cfg.weight_decay, False)):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or value < 0 or (positive and value == 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a {'positive' if positive else 'non-negative'} "
+                             f"number, got {value!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 32:
+        raise ValueError(f"--seed must be an integer from 0 to {2 ** 32 - 1}, got {cfg.seed!r}")
+    if cfg.seq < 2:
+        raise ValueError(f"--seq {cfg.seq}: a next-token loss needs windows of at least 2 tokens")
+
+
+def _check_layout(cfg: TrainConfig) -> None:
+    if cfg.zero not in ZERO:
+        raise ValueError(f"--zero {cfg.zero!r} is not supported; valid: 0 (DDP: every dp rank holds its tp "
+                         f"shard whole) or 3 (FSDP: parameters, gradients and optimizer state sharded over dp)")
+    if cfg.batch % cfg.dp:
+        fits = cfg.dp * max(1, cfg.batch // cfg.dp)
+        raise ValueError(f"--batch {cfg.batch} (global sequences per step) must be divisible by --dp {cfg.dp}, "
+                         f"so that every dp rank trains on as many rows; e.g. --batch {fits}")
+    if cfg.sequence_parallel and cfg.tp < 2:
+        raise ValueError("--sequence-parallel splits the sequence over the tp ranks; --tp is 1: use --tp 2 or more")
+    if cfg.sequence_parallel and cfg.seq % cfg.tp:
+        raise ValueError(f"--seq {cfg.seq} must be divisible by --tp {cfg.tp} with --sequence-parallel; "
+                         f"e.g. --seq {cfg.tp * max(1, cfg.seq // cfg.tp)}")
+    from tensorpar.dist.rendezvous import BACKENDS
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"--backend {cfg.backend!r} is not supported; valid: {', '.join(BACKENDS)}")
+
+
+def _check_folders(cfg: TrainConfig) -> None:
+    for name, value in (("out", cfg.out), ("export", cfg.export)):
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"--{name} {str(value)!r} is a file; give a folder (made if missing)")
+
+
+def _check_world(world: int, backend: str) -> None:
+    """Local ranks: the backend can serve them (NCCL: a GPU each). Under torchrun the processes are
+    already there: dp x tp must be their number."""
+    from tensorpar.dist.rendezvous import under_torchrun
+    if not under_torchrun():
+        dist.resolve_backend(backend, world)
+        return
+    env = os.environ["WORLD_SIZE"]
+    if env != str(world):
+        raise ValueError(f"--dp x --tp = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
+                         f"run torchrun --nproc-per-node {world} (one node), or choose dp x tp = {env}")
+
+
+def _tiny_model(out: Path, seed: int) -> Path:
+    """A tiny random Llama with 256 ids (UTF-8 bytes) in ``out/tiny-llama``, written in a folder of
+    this process's and moved in file by file (``os.replace``): torchrun's processes all write the
+    same files, and none reads a half-written one."""
+    from tensorpar.models.testing import make_tiny_checkpoint
+
+    final, tmp = out / TINY_MODEL, out / f".{TINY_MODEL}.{socket.gethostname()}.{os.getpid()}"
+    make_tiny_checkpoint(tmp, "llama", seed=seed, vocab_size=256)
+    final.mkdir(exist_ok=True)
+    for f in tmp.iterdir():
+        os.replace(f, final / f.name)
+    tmp.rmdir()
+    return final
+
+
+def _vocab_size(ckpt) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(ckpt.path).get_text_config().vocab_size)
+
+
+def _resume_point(cfg: TrainConfig) -> tuple[int, str | None]:
+    """``(step, folder)`` of the checkpoint ``cfg.resume`` names; ``(0, None)`` without one."""
+    if cfg.resume is None:
+        return 0, None
+    from tensorpar.models.saving import COMPLETE, resolve
+
+    folder = resolve(cfg.resume)  # ValueError unless a complete tensorpar checkpoint
+    step = int(json.loads((folder / COMPLETE).read_text())["step"])
+    if step >= cfg.steps:
+        raise ValueError(f"--resume {cfg.resume!r} is at step {step}; --steps ({cfg.steps}) must be larger "
+                         f"(it is the step to train up to, counted from the start)")
+    return step, str(folder)
+
+
+# ---- rank 0's progress, to the process that shows it ---------------------------------------------
+
+class _Sink:
+    """What rank 0 calls with each event: a pipe's end (spawned ranks) or the callback itself (torchrun)."""
+
+    def __init__(self, conn=None, callback=None):
+        self.conn, self.callback = conn, callback
+
+    def send(self, event: dict) -> None:
+        if self.callback is not None:
+            self.callback(event)
+        elif self.conn is not None:
+            self.conn.send(event)
+
+
+class _Relay:
+    """Events from rank 0 to ``callback``: a thread of this process reads them from a pipe while
+    the launch waits for the ranks; under torchrun rank 0 is this process and calls it directly."""
+
+    def __init__(self, callback):
+        from tensorpar.dist.rendezvous import under_torchrun
+
+        self.callback, self._thread = callback, None
+        if callback is None or under_torchrun():
+            self.sink = _Sink(callback=callback)
+            return
+        import multiprocessing as mp
+
+        self._recv, send = mp.get_context("spawn").Pipe(duplex=False)
+        self.sink, self._stop = _Sink(conn=send), threading.Event()
+        self._thread = threading.Thread(target=self._pump, name="tensorpar-train-progress", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            if not self._recv.poll(0.1):
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                event = self._recv.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                self.callback(event)
+            except Exception:  # noqa: BLE001 - a display error must not stop the reading (rank 0 would block)
+                pass
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._recv.close()
+            self.sink.conn.close()
+
+
+# ---- on every rank -------------------------------------------------------------------------------
+
+def train_worker(spec: dict, tokens, sink) -> dict:
+    """One rank: build, resume, train steps ``start+1 .. steps`` (saving), export; what it did and holds."""
+    from tensorpar.models.saving import export, save
+    from tensorpar.models.training import train_step
+
+    device = _device()
+    model, opt, mesh = _build(spec, device)
+    start = _resume(model, opt, spec)
+    dp, dp_group, lead = spec["dp"], mesh["dp"].get_group(), dist.get_rank() == 0
+    rows = _rows(spec["batch"], dp, mesh["dp"].get_local_rank())
+    if lead:
+        sink.send({"event": "start", "start": start, "steps": spec["steps"], "world_size": dist.get_world_size()})
+    history, saved = [], []
+    for step in range(start + 1, spec["steps"] + 1):
+        ids = batch_for_step(tokens, step, spec["batch"], spec["seq"], spec["seed"], rows).to(device)  # (B/dp, T)
+        t0 = time.perf_counter()
+        res = train_step(model, opt, ids, max_norm=spec["max_norm"])
+        loss = torch.tensor([res["loss"]], dtype=torch.float64, device=device)
+        dist.all_reduce(loss, group=dp_group)  # equal rows per rank: the mean of means is the global mean
+        seconds = time.perf_counter() - t0
+        history.append({"step": step, "loss": loss.item() / dp, "grad_norm": res["grad_norm"], "seconds": seconds,
+                        "tokens_per_s": spec["batch"] * spec["seq"] / seconds})
+        memory = dist.all_gather_object(held_bytes(model, opt, device)) if step == start + 1 else None
+        if lead:
+            sink.send({"event": "step", **history[-1], "memory": memory})
+        if spec["save_every"] and step % spec["save_every"] == 0:
+            saved.append(str(save(model, opt, spec["save_dir"], step=step)))
+            if lead:
+                sink.send({"event": "save", "step": step, "path": saved[-1]})
+    if spec["export"] is not None:
+        export(model, spec["export"])
+    return {"history": history, "memory": held_bytes(model, opt, device), "checkpoints": saved,
+            "start": start, "transport": dist.transport(None)}
+
+
+def _build(spec: dict, device: torch.device):
+    """The checkpoint's dense model split on the ``(dp, tp)`` mesh, and AdamW over its parameters."""
+    from tensorpar.apply import parallelize
+    from tensorpar.dist import mesh as data_mesh
+
+    quiet_transformers()
+    mesh = data_mesh.init_mesh(spec["dp"], spec["tp"], device.type)
+    model = dense_model(spec["path"], DTYPES[spec["dtype"]]).to(device)
+    model = parallelize(model, mesh=mesh, data_parallel=spec["data_parallel"],
+                        sequence_parallel=spec["sequence_parallel"]).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"]), mesh
+
+
+def _rows(batch: int, dp: int, dp_rank: int) -> slice:
+    """Dp rank ``dp_rank``'s rows of the global batch: ``batch / dp`` of them, in dp rank order."""
+    per_rank = batch // dp
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":  # the launcher (or torchrun's init) set this rank's GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _resume(model, opt, spec) -> int:
+    """The checkpoint's weights, optimizer state and step; the learning rate and weight decay stay
+    this run's (the command line says what this run does)."""
+    if spec["resume"] is None:
+        return 0
+    from tensorpar.models.saving import load
+
+    step = load(model, opt, spec["resume"])
+    assert step == spec["start"], (step, spec["start"])  # the folder resolved before the launch
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = spec["lr"], spec["weight_decay"]
+    return step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP: this dp rank's shard
+
+
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+
+
+def held_bytes(model, opt, device: torch.device) -> dict:
+    """What this rank holds: parameter, gradient and optimizer-state bytes (its local tensors),
+    its peak RSS (``getrusage``), and on a GPU ``torch.cuda.max_memory_allocated``."""
+    params = list(model.parameters())
+    out = {"rank": dist.get_rank(),
+           "parameter_bytes": _nbytes(params),
+           "gradient_bytes": _nbytes(p.grad for p in params if p.grad is not None),
+           "optimizer_bytes": _nbytes(v for st in opt.state.values() for v in st.values()
+                                      if isinstance(v, torch.Tensor)),
+           "optimizer_moment_bytes": _nbytes(v for st in opt.state.values() for k, v in st.items()
+                                             if k in ("exp_avg", "exp_avg_sq"))}
+    out["state_bytes"] = out["parameter_bytes"] + out["gradient_bytes"] + out["optimizer_bytes"]
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return out
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
+    spec, ckpt, rank0 = plan["spec"], plan["ckpt"], per_rank[0]
+    hist = rank0["history"]
+    layout = {"dp": cfg.dp, "tp": cfg.tp, "zero": cfg.zero, "data_parallel": ZERO[cfg.zero],
+              "sequence_parallel": cfg.sequence_parallel, "world_size": cfg.dp * cfg.tp,
+              "backend": rank0["transport"], "fixes": plan["fixes"]}
+    report = TrainReport(
+        model=ckpt.path.name, model_path=str(ckpt.path), generated_model=cfg.model is None,
+        data={**plan["tokens"].source, "tokens": len(plan["tokens"])}, layout=layout, dtype=cfg.dtype,
+        batch=cfg.batch, seq=cfg.seq, lr=cfg.lr, weight_decay=cfg.weight_decay, max_norm=cfg.max_norm,
+        seed=cfg.seed, start_step=rank0["start"], steps=cfg.steps, step_numbers=[h["step"] for h in hist],
+        losses=[h["loss"] for h in hist], grad_norms=[h["grad_norm"] for h in hist],
+        tokens_per_s=[h["tokens_per_s"] for h in hist], memory_per_rank=_with_plan(cfg, ckpt, per_rank),
+        checkpoints=rank0["checkpoints"], resumed_from=spec["resume"], export=spec["export"], png=None,
+        out=str(plan["out"]))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every process holds the report: one figure
+        report.png = plot_losses(report.step_numbers, report.losses, str(plan["out"] / "loss.png"),
+                                 title=_title(report))
+    return report
+
+
+def _with_plan(cfg: TrainConfig, ckpt, per_rank: list) -> list:
+    """Each rank's memory with the planner's figure for the same rank beside it
+    (:func:`tensorpar.planner.mesh.state_bytes` over the model's inventory: parameters, gradients and
+    AdamW's two moments; the measured optimizer bytes also hold AdamW's step counters)."""
+    from tensorpar.planner.mesh import state_bytes
+    from tensorpar.sharding.inventory import build_inventory
+
+    inv = build_inventory(ckpt.path, cfg.tp, head=True)
+    e = DTYPES[cfg.dtype].itemsize
+    out = []
+    for r in per_rank:
+        m = r["memory"]
+        planned = state_bytes(inv, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e, tp_rank=m["rank"] % cfg.tp,
+                              dp_rank=m["rank"] // cfg.tp)
+        out.append({**m, "planned_state_bytes": planned["total"], "planned": planned})
+    return out
+
+
+def _title(report: TrainReport) -> str:
+    lay = report.layout
+    return (f"{report.model}: dp {lay['dp']} x tp {lay['tp']}, zero {lay['zero']}"
+            f"{', sequence parallel' if lay['sequence_parallel'] else ''}, {report.dtype}")
