@@ -32,25 +32,39 @@ def _train(model, opt, rows, steps, dp_group) -> list:
     return losses
 
 
-def resume_worker(root, save_layout, load_layouts):
+def resume_worker(root, save_layout, load_layouts, sizes=None):
     """Train 10 steps at ``save_layout`` and save; for each of ``load_layouts``, a model built from
     other weights loads the checkpoint and trains steps 11-20: each curve against the single-process
     run of all 20 steps (the reference shares no code with saving or loading)."""
+    save_worker(root, save_layout, sizes)
+    return reshard_worker(root, load_layouts, sizes)
+
+
+def save_worker(root, save_layout, sizes=None):
+    """Train 10 steps of the tiny llama (``sizes``: its config changes) at ``save_layout``; save."""
     warnings.filterwarnings("ignore")
-    dense = make_tiny_model("llama", seed=5)
-    steps = batches(dense.config.vocab_size)
-    want = reference(dense, steps)["losses"]
-    model, opt, rows = _build(save_layout, make_tiny_model("llama", seed=5))
+    model, opt, rows = _build(save_layout, make_tiny_model("llama", seed=5, **(sizes or {})))
+    steps = batches(model.config.vocab_size)
     _train(model, opt, rows, steps[:SAVE_AT], model.tp_report.dp_group)
     saving.save(model, opt, root, step=SAVE_AT)
+    return "saved"
+
+
+def reshard_worker(root, load_layouts, sizes=None):
+    """Steps 11-20 after loading ``root`` at each of ``load_layouts`` (see :func:`resume_worker`)."""
+    warnings.filterwarnings("ignore")
+    dense = make_tiny_model("llama", seed=5, **(sizes or {}))
+    steps = batches(dense.config.vocab_size)
+    want = reference(dense, steps)["losses"]
     out = {}
     for layout in load_layouts:
-        model, opt, rows = _build(layout, make_tiny_model("llama", seed=77))  # other weights: all overwritten
+        model, opt, rows = _build(layout, make_tiny_model("llama", seed=77, **(sizes or {})))  # other weights
         with torch.no_grad():  # an evaluation first: FSDP then holds its root's parameters unsharded
             model(input_ids=steps[0][rows])
         step = saving.load(model, opt, root)
         got = _train(model, opt, rows, steps[SAVE_AT:], model.tp_report.dp_group)
-        out[layout] = {"step": step, "err": max(abs(a - b) / abs(b) for a, b in zip(got, want[SAVE_AT:]))}
+        out[layout] = {"step": step, "err": max(abs(a - b) / abs(b) for a, b in zip(got, want[SAVE_AT:])),
+                       "tp": model.tp_report.tp_size}
     return out
 
 

@@ -35,6 +35,30 @@ def test_a_resumed_run_continues_the_uninterrupted_curve(save_layout, load_layou
         assert r["err"] <= TOL, r
 
 
+# six heads (and six KV heads) split at tp 2, 3 and 6: the tiny llama's four do not split over 3
+SIX_HEADS = {"num_attention_heads": 6, "num_key_value_heads": 6}
+
+
+@functools.lru_cache(maxsize=None)
+def resharded_to_tp3_and_tp1() -> dict:
+    """Saved at dp 2 x tp 2 (FSDP) on 4 ranks; loaded at tp 3 on 3 ranks and whole in one process."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.launch(W.save_worker, 4, tmp, (2, 2, "fsdp"), SIX_HEADS, deadline=300)
+        out = dist.launch(W.reshard_worker, 3, tmp, [(1, 3, None)], SIX_HEADS, deadline=300)
+        out += dist.launch(W.reshard_worker, 1, tmp, [(1, 1, None)], SIX_HEADS, deadline=300)
+    return out
+
+
+def test_a_checkpoint_saved_at_dp2xtp2_resumes_at_tp3_and_unsplit():
+    results = resharded_to_tp3_and_tp1()
+    assert len(results) == 4
+    for res in results:
+        ((layout, r),) = res.items()
+        assert r["tp"] == layout[1] and r["step"] == W.SAVE_AT
+        assert r["err"] <= TOL, (layout, r)
+
+
 @pytest.mark.parametrize("where", ["write", "commit"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
     with pytest.raises(dist.RankFailedError):
