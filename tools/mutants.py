@@ -228,6 +228,22 @@ MUTANTS = [
     M("structure judged at float64 where the model computes in float32", "jobs/verify.py",
       "return TOLERANCE[routing.lowest]", "return TOLERANCE[torch.float64]",
       ("tests/test_cli_jobs.py", "-k", "replays")),
+    # issue 13: sequence parallelism, the ledger of PyTorch's own collectives, the planner on the mesh
+    M("sequence parallel: norm gradients left partial", "sharding/sequence.py",
+      "regions.sync_grad(mod, attr, tp_group)", "pass",
+      ("tests/test_models_sequence.py", "-k", "dense_model or wrong")),
+    M("sequence parallel: row linears keep their all-reduce", "sharding/sequence.py",
+      'undo.set_attr(mod, "sequence_parallel", True)  # leaves by reduce-scatter', "pass",
+      ("tests/test_models_sequence.py", "-k", "dense_model and llama")),
+    M("DDP / FSDP collectives not recorded", "dist/shm.py",
+      "if led is None or flight.own_call():", "if True:",
+      ("tests/test_planner_mesh.py", "-k", "collectives")),
+    M("planner: FSDP blocks not gathered again in backward", "planner/mesh.py",
+      "if unit:", "if False:",
+      ("tests/test_planner_mesh.py", "-k", "collectives and fsdp")),
+    M("planner: FSDP shards not padded", "planner/mesh.py",
+      "return -(-rows // dp) * dp", "return rows",
+      ("tests/test_planner_mesh.py",)),
 ]
 
 

@@ -82,7 +82,7 @@ def _sequence_module(mod, name: str, inside: bool, undo) -> None:
         if not mod.reduce_output:
             raise ValueError(f"{name}: a row-parallel linear whose partial sum an enclosing block reduces "
                              f"has no sequence-parallel form here: use sequence_parallel=False")
-        undo.set_attr(mod, "sequence_parallel", True)
+        undo.set_attr(mod, "sequence_parallel", True)  # leaves by reduce-scatter
     elif isinstance(mod, ColumnParallelLinear) and not inside:  # its own input copy becomes a gather
         if mod.gather_output:
             raise ValueError(f"{name}: a column-parallel linear that gathers its output inside a block "
