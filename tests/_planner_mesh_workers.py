@@ -18,16 +18,18 @@ def _local(t):
 
 
 def step_worker(layouts):
-    """For each ``(dp, tp, data_parallel, sequence_parallel)``: three training steps of the tiny
-    llama on the mesh; the third under the ledger (the first two let DDP settle its buckets).
+    """For each ``(dp, tp, data_parallel, sequence_parallel[, arch])``: three training steps of the
+    tiny model (llama unless named) on the mesh; the third under the ledger (the first two let DDP
+    settle its buckets).
     Returns the records by mesh dimension and the bytes of parameters, gradients and AdamW moments
     this rank holds."""
     warnings.filterwarnings("ignore")
     from torch.distributed.device_mesh import init_device_mesh
-    dense = make_tiny_model("llama", seed=1)
-    ids = torch.randint(0, dense.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
     out = {}
-    for dp, tp, kind, sp in layouts:
+    for layout in layouts:
+        dp, tp, kind, sp, arch = (*layout, "llama")[:5]
+        dense = make_tiny_model(arch, seed=1)
+        ids = torch.randint(0, dense.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(4))
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         model = parallelize(copy.deepcopy(dense), mesh=mesh, data_parallel=kind, sequence_parallel=sp).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -44,6 +46,6 @@ def step_worker(layouts):
                 "grads": sum(_local(p.grad).numel() * p.element_size() for p in model.parameters()),
                 "optimizer": sum(_local(v).numel() * v.element_size() for s in opt.state.values()
                                  for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))}
-        out[(dp, tp, kind, sp)] = {"records": records, "held": held, "tp_rank": mesh["tp"].get_local_rank(),
+        out[layout] = {"records": records, "held": held, "tp_rank": mesh["tp"].get_local_rank(),
                                    "dp_rank": d, "rank": tdist.get_rank()}
     return out

@@ -126,6 +126,15 @@ def refusal_worker():
         _out(split, _ids(split, seq=7))
     except ValueError as exc:
         out["seq7"] = str(exc)
+    try:  # the hidden states between blocks are chunks: not returned as if whole
+        split(input_ids=_ids(split), output_hidden_states=True)
+    except ValueError as exc:
+        out["hidden_states"] = str(exc)
+    dropped = make_tiny_model("gpt2", seed=1, resid_pdrop=0.1)
+    try:  # every rank would draw the same masks for its chunk
+        parallelize(dropped, sequence_parallel=True)
+    except ValueError as exc:
+        out["dropout"] = (str(exc), hasattr(dropped, "tp_report"))
     # a wrong sequence-parallel split (the norms' gradients left partial) is caught by the proof
     # and undone, the model left dense
     victim = make_tiny_model("llama", seed=1)

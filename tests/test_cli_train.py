@@ -196,7 +196,20 @@ def _bad_inputs(files, tmp):
         (m + ["--dtype", "float16"], "--dtype 'float16'"),
         (m + ["--resume", tmp], "not a tensorpar checkpoint"),
         (m + ["--out", files["text"]], "is a file"),
+        # what the ranks would refuse, refused before they start
+        (["--model", _tiny(files, "mixtral"), "--sequence-parallel"], "has mixture-of-experts layers"),
+        (["--model", _tiny(files, "gpt2", resid_pdrop=0.1), "--sequence-parallel"], "config.resid_pdrop=0.1"),
+        (["--model", _tiny(files, "gpt2"), "--zero", "3", "--save-every", "2"], "transposed (Conv1D) shard"),
     ]
+
+
+def _tiny(files, arch, **sizes) -> str:
+    from tensorpar.models.testing import make_tiny_checkpoint
+
+    path = os.path.join(files["root"], f"{arch}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}")
+    if not os.path.isdir(path):
+        make_tiny_checkpoint(path, arch, seed=1, **sizes)
+    return path
 
 
 def _no_launch(*args, **kwargs):
@@ -211,6 +224,18 @@ def test_bad_inputs_exit_2_before_any_rank(files, tmp_path, capsys, monkeypatch)
         assert named in err and out["ok"] is False and named in out["error"], (argv, err)
 
 
+def test_a_resume_with_other_batches_is_refused_before_any_rank(files, tmp_path, capsys, monkeypatch):
+    """The checkpoint keeps the seed, batch, sequence length and the data's fingerprint: resuming
+    with another would silently read other batches than the run it continues."""
+    resume = os.path.join(_run(files["root"], "full")["out"], "checkpoints")
+    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    m = ["--model", files["model"], "--resume", resume, "--steps", str(STEPS + 2), "--out", str(tmp_path / "o")]
+    for extra, named in ((["--seed", "8", "--data", files["text"]], "seed 7 (now 8)"),
+                         (["--seed", str(SEED)], "data '")):
+        code, out, err = _main([*m, *extra, "--batch", str(BATCH), "--seq", str(SEQ), "--json"], capsys)
+        assert code == 2 and named in err and "would read other batches" in err, (extra, err)
+
+
 def test_torchrun_world_size_must_be_dp_times_tp(files, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
@@ -220,9 +245,14 @@ def test_torchrun_world_size_must_be_dp_times_tp(files, tmp_path, capsys, monkey
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(files, tmp_path, capsys):
-    """A checkpoint of another model: the rank's load refuses it and the launcher ends the job, exit 1."""
-    resume = os.path.join(_run(files["root"], "full")["out"], "checkpoints")
-    argv = ["--model", _small_model(files), "--tp", "1", "--dp", "1", "--resume", resume, "--steps", str(STEPS + 2),
+    """A checkpoint of another model (saved by tensorpar.save, not by this command, so nothing is
+    compared before the launch): the rank's load refuses it and the launcher ends the job, exit 1."""
+    from tensorpar.models import saving
+    from tensorpar.models.testing import make_tiny_model
+
+    other = make_tiny_model("llama", seed=3, vocab_size=256)
+    resume = saving.save(other, torch.optim.AdamW(other.parameters()), tmp_path / "other", step=3)
+    argv = ["--model", _small_model(files), "--tp", "1", "--dp", "1", "--resume", str(resume), "--steps", str(STEPS + 2),
             "--seq", str(SEQ), "--out", str(tmp_path), "--json"]
     code, out, err = _main(argv, capsys)
     assert code == 1 and out["ok"] is False, err

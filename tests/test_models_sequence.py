@@ -108,6 +108,21 @@ def test_tp_1_and_a_sequence_that_does_not_divide_are_refused():
     assert "splits the sequence (7 tokens) over tp=4 ranks" in refusals()["seq7"]
 
 
+def test_hidden_states_and_dropout_on_chunks_are_refused():
+    assert "output_hidden_states=True needs a model parallelized without sequence_parallel" in refusals()["hidden_states"]
+    message, touched = refusals()["dropout"]
+    assert "dropout on the sequence chunks" in message and "config.resid_pdrop=0.1" in message and not touched
+
+
+def test_example_inputs_reach_tp_tokens_when_the_default_is_shorter():
+    """At tp 16 the proof's 12 default tokens are repeated up to 16 (the model takes 64)."""
+    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.sharding import sequence
+    model = make_tiny_model("llama")
+    assert sequence.example(model, None, 16)["input_ids"].shape == (2, 16)
+    assert sequence.example(model, None, 5)["input_ids"].shape == (2, 10)
+
+
 def test_a_wrong_sequence_parallel_split_is_caught_by_the_proof_and_undone():
     """Norm gradients left partial (the fault a forward-only check misses): parallelize raises and
     the model is as it was: no report, dense modules, no hooks."""

@@ -14,7 +14,10 @@ from tensorpar.planner.runtime import generic_name
 from tests import _planner_mesh_workers as W
 
 LAYOUTS = [(2, 2, "ddp", False), (2, 2, "fsdp", False), (2, 2, "ddp", True), (2, 2, "fsdp", True),
-           (1, 4, "fsdp", True), (4, 1, "fsdp", False), (4, 1, "ddp", False)]
+           (1, 4, "fsdp", True), (4, 1, "fsdp", False), (4, 1, "ddp", False),
+           # GPT-2 (Conv1D rows, a column split outside any region, row biases) and BERT (a post-norm
+           # encoder whose attention output projection and norm lie outside its region)
+           (2, 2, "ddp", True, "gpt2"), (2, 2, "ddp", True, "bert")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,10 +26,14 @@ def results() -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def inventory(tp: int):
+def inventory(tp: int, arch: str = "llama"):
     from tensorpar.models.testing import make_tiny_config
     from tensorpar.sharding.inventory import build_inventory
-    return build_inventory(make_tiny_config("llama"), tp)
+    return build_inventory(make_tiny_config(arch), tp)
+
+
+def _ids(layout) -> str:
+    return f"dp{layout[0]}xtp{layout[1]}-{layout[2]}{'-sp' * layout[3]}{''.join('-' + a for a in layout[4:])}"
 
 
 def _recorded(records, dim) -> Counter:
@@ -42,10 +49,10 @@ def _predicted(items) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}{'-sp' * x[3]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_planner_collectives_equal_the_ledger_per_collective(layout):
-    dp, tp, kind, sp = layout
-    inv = inventory(tp)
+    dp, tp, kind, sp = layout[:4]
+    inv = inventory(tp, *layout[4:])
     for res in results():
         r = res[layout]
         plan = PM.mesh_step(inv, dp=dp, data_parallel=kind, sequence_parallel=sp, batch=W.BATCH, seq=W.SEQ,
@@ -57,10 +64,10 @@ def test_planner_collectives_equal_the_ledger_per_collective(layout):
         assert {g for g, *_ in r["records"]} <= {"tp", "dp"}, "a collective on another group"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}{'-sp' * x[3]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_planner_model_states_equal_what_each_rank_holds(layout):
-    dp, tp, kind, sp = layout
-    inv = inventory(tp)
+    dp, tp, kind, sp = layout[:4]
+    inv = inventory(tp, *layout[4:])
     for res in results():
         r = res[layout]
         want = PM.state_bytes(inv, dp=dp, data_parallel=kind, e=8, tp_rank=r["tp_rank"], dp_rank=r["dp_rank"])

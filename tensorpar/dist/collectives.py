@@ -86,9 +86,13 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
         shm.all_reduce(segment, x, op)
         work = None
     else:
-        with _on_wire(None if async_op else led, group):
-            work = (shm.all_reduce(segment, x, op) if segment is not None else
-                    tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op))
+        try:
+            with _on_wire(None if async_op else led, group):
+                work = (shm.all_reduce(segment, x, op) if segment is not None else
+                        tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op))
+        except BaseException:
+            flight.own_done()  # the backend records PyTorch's own calls again
+            raise
     flight.leave(seq)
     increment_version(x)
     return work if async_op else x

@@ -128,9 +128,12 @@ def read(slot) -> dict | None:
 @contextlib.contextmanager
 def issuing(op: str, tensor: torch.Tensor | None, group, module: str | None = None):
     """Around one collective: counted, reported to the launcher, checked if checking is on."""
-    seq = enter(op, tensor, group, module)
-    yield
-    leave(seq)
+    try:
+        seq = enter(op, tensor, group, module)
+        yield
+        leave(seq)
+    finally:
+        own_done()  # a call that raised is over too: the backend records PyTorch's own calls again
 
 
 def enter(op: str, tensor: torch.Tensor | None, group, module: str | None = None) -> int:
@@ -159,6 +162,11 @@ def leave(seq: int) -> None:
     _OWN[0] = False
     if _SLOT is not None:
         _write("out", seq)
+
+
+def own_done() -> None:
+    """Mark tensorpar's collective over when it raised (:func:`leave` is not reached then)."""
+    _OWN[0] = False
 
 
 def own_call() -> bool:

@@ -128,19 +128,45 @@ def prepare(cfg: TrainConfig) -> dict:
         raise ValueError(f"--model {str(ckpt.path)!r} is a {ckpt.family} model without a causal-LM head; "
                          f"tensorpar train trains causal LMs (Llama, Mistral, Qwen2, GPT-2, ...)")
     fixes = check_tp(ckpt, cfg.tp)
+    inv = _check_split(cfg, ckpt)
     check_length(ckpt, cfg.seq, f"--seq {cfg.seq}")
     tokens = open_tokens(cfg.data, _vocab_size(ckpt), ckpt.path)
     if len(tokens) < cfg.seq:
         raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of --seq {cfg.seq}; "
                          f"use --seq {max(2, len(tokens))} or less, or more data")
-    start, folder = _resume_point(cfg)
+    start, folder = _resume_point(cfg, tokens)
     spec = {"path": str(ckpt.path), "dtype": cfg.dtype, "dp": cfg.dp, "tp": cfg.tp,
             "data_parallel": ZERO[cfg.zero], "sequence_parallel": cfg.sequence_parallel,
             "start": start, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq, "seed": cfg.seed,
             "lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_norm": cfg.max_norm,
             "save_every": cfg.save_every, "save_dir": str(out / "checkpoints"),
+            "identity": _run_identity(cfg, tokens),
             "resume": folder, "export": None if cfg.export is None else str(Path(cfg.export))}
-    return {"spec": spec, "tokens": tokens, "ckpt": ckpt, "fixes": fixes, "out": out}
+    return {"spec": spec, "tokens": tokens, "ckpt": ckpt, "fixes": fixes, "out": out, "inventory": inv}
+
+
+def _check_split(cfg: TrainConfig, ckpt):
+    """The model's inventory (its split at this tp, built on the meta device), after refusing what
+    the ranks would refuse later: sequence parallelism over mixture-of-experts layers or with
+    dropout on the chunks, and saving a transposed (Conv1D) shard under FSDP."""
+    from tensorpar.sharding import sequence
+    from tensorpar.sharding.inventory import build_inventory
+
+    inv = build_inventory(ckpt.path, cfg.tp, head=True)
+    if cfg.sequence_parallel:
+        moe = sorted({s for s in inv.plan.values() if s in sequence.MOE_STYLES})
+        if moe:
+            raise ValueError(f"--sequence-parallel: {ckpt.path.name} has mixture-of-experts layers ({', '.join(moe)} "
+                             f"regions), which sequence parallelism does not chunk; drop --sequence-parallel")
+        dropout = sequence.config_dropout(ckpt.config)
+        if dropout:
+            raise ValueError(f"--sequence-parallel with dropout on the sequence chunks ({', '.join(dropout)}): every "
+                             f"rank would draw the same masks; set it to 0 in config.json or drop --sequence-parallel")
+    transposed = [p.name for p in inv.params if any(r.transpose for r in p.ranks)]
+    if cfg.zero == 3 and transposed and (cfg.save_every or cfg.export):
+        raise ValueError(f"--zero 3 with --save-every/--export: {transposed[0]} is a transposed (Conv1D) shard, "
+                         f"which tensorpar cannot yet save under FSDP; use --zero 0")
+    return inv
 
 
 def _check_numbers(cfg: TrainConfig) -> None:
@@ -220,14 +246,29 @@ def _vocab_size(ckpt) -> int:
     return int(AutoConfig.from_pretrained(ckpt.path).get_text_config().vocab_size)
 
 
-def _resume_point(cfg: TrainConfig) -> tuple[int, str | None]:
+def _run_identity(cfg: TrainConfig, tokens) -> dict:
+    """What decides the batch of every step (:func:`tensorpar.data.batch_for_step`): kept in each
+    checkpoint, compared on resume."""
+    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": tokens.fingerprint()}
+
+
+def _resume_point(cfg: TrainConfig, tokens) -> tuple[int, str | None]:
     """``(step, folder)`` of the checkpoint ``cfg.resume`` names; ``(0, None)`` without one."""
     if cfg.resume is None:
         return 0, None
     from tensorpar.models.saving import COMPLETE, resolve
 
     folder = resolve(cfg.resume)  # ValueError unless a complete tensorpar checkpoint
-    step = int(json.loads((folder / COMPLETE).read_text())["step"])
+    saved = json.loads((folder / COMPLETE).read_text())
+    step = int(saved["step"])
+    run = saved.get("extra", {}).get("train")
+    if run is not None:  # saved by tensorpar train: the batches of steps after it depend on these
+        now = _run_identity(cfg, tokens)
+        differ = [f"{k} {run[k]!r} (now {now[k]!r})" for k in now if k in run and run[k] != now[k]]
+        if differ:
+            raise ValueError(f"--resume {cfg.resume!r} was trained with " + ", ".join(differ) +
+                             ": resuming would read other batches than the run it continues; use the same "
+                             "--seed, --batch, --seq and --data")
     if step >= cfg.steps:
         raise ValueError(f"--resume {cfg.resume!r} is at step {step}; --steps ({cfg.steps}) must be larger "
                          f"(it is the step to train up to, counted from the start)")
@@ -318,7 +359,7 @@ def train_worker(spec: dict, tokens, sink) -> dict:
         if lead:
             sink.send({"event": "step", **history[-1], "memory": memory})
         if spec["save_every"] and step % spec["save_every"] == 0:
-            saved.append(str(save(model, opt, spec["save_dir"], step=step)))
+            saved.append(str(save(model, opt, spec["save_dir"], step=step, extra={"train": spec["identity"]})))
             if lead:
                 sink.send({"event": "save", "step": step, "path": saved[-1]})
     if spec["export"] is not None:
@@ -405,7 +446,7 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
         batch=cfg.batch, seq=cfg.seq, lr=cfg.lr, weight_decay=cfg.weight_decay, max_norm=cfg.max_norm,
         seed=cfg.seed, start_step=rank0["start"], steps=cfg.steps, step_numbers=[h["step"] for h in hist],
         losses=[h["loss"] for h in hist], grad_norms=[h["grad_norm"] for h in hist],
-        tokens_per_s=[h["tokens_per_s"] for h in hist], memory_per_rank=_with_plan(cfg, ckpt, per_rank),
+        tokens_per_s=[h["tokens_per_s"] for h in hist], memory_per_rank=_with_plan(cfg, plan["inventory"], per_rank),
         checkpoints=rank0["checkpoints"], resumed_from=spec["resume"], export=spec["export"], png=None,
         out=str(plan["out"]))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process holds the report: one figure
@@ -414,14 +455,12 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
     return report
 
 
-def _with_plan(cfg: TrainConfig, ckpt, per_rank: list) -> list:
+def _with_plan(cfg: TrainConfig, inv, per_rank: list) -> list:
     """Each rank's memory with the planner's figure for the same rank beside it
     (:func:`tensorpar.planner.mesh.state_bytes` over the model's inventory: parameters, gradients and
     AdamW's two moments; the measured optimizer bytes also hold AdamW's step counters)."""
     from tensorpar.planner.mesh import state_bytes
-    from tensorpar.sharding.inventory import build_inventory
 
-    inv = build_inventory(ckpt.path, cfg.tp, head=True)
     e = DTYPES[cfg.dtype].itemsize
     out = []
     for r in per_rank:

@@ -126,11 +126,18 @@ def _state(model, optimizer, step: int | None) -> dict:
     return out
 
 
-def save(model, optimizer, path, *, step: int) -> Path:
+def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Path:
     """Every rank calls it: ``path/step-NNNNNNNN`` written and made ``path/latest`` (see the module).
-    Returns the checkpoint's folder."""
+    ``extra``: a JSON-serialisable dict kept in the checkpoint's ``COMPLETE`` record (what a
+    training job needs to resume the same run: its data and batch settings), read back by
+    :func:`record`. Returns the checkpoint's folder."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if extra is not None:
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"extra must be a JSON-serialisable dict: {exc}") from None
     root = Path(path)
     nonce = _nonce()
     tmp = root / f".step-{step:08d}.{nonce}.partial"
@@ -140,7 +147,7 @@ def save(model, optimizer, path, *, step: int) -> Path:
     if final.exists():  # the same step saved again: a folder of its own, then latest moves to it
         final = root / f"step-{step:08d}.{nonce}"
     if dist.get_rank() == 0:
-        _commit(root, tmp, final, {"step": step, **_layout(model)})
+        _commit(root, tmp, final, {"step": step, **_layout(model), **({"extra": extra} if extra is not None else {})})
     dist.barrier()
     return final
 
@@ -201,6 +208,12 @@ def resolve(path) -> Path:
         what = "an unfinished save (no COMPLETE record)" if (p / ".metadata").is_file() else "not a tensorpar checkpoint"
         raise ValueError(f"{str(p)!r} is {what}: expected {LATEST} or {COMPLETE} in it")
     return p
+
+
+def record(path) -> dict:
+    """The ``COMPLETE`` record of the checkpoint ``path`` names: ``step``, the layout it was saved
+    at, and ``extra`` when :func:`save` was given one."""
+    return json.loads((resolve(path) / COMPLETE).read_text())
 
 
 def _check_files(folder: Path) -> dict:

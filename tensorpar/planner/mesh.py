@@ -55,32 +55,35 @@ def block_of(name: str) -> str | None:
 
 def sequence_sites(inv: ModelInventory) -> list[CollectiveSite]:
     """The inventory's sites as the runtime issues them under sequence parallelism."""
-    out = []
     anchors = {s.module for s in inv.sites if s.style in REGION_STYLES}
+    params = {p.name: p for p in inv.params}
+    rows = {s.module for s in inv.sites if _row_exit(s)}
+    out = []
     for s in inv.sites:
         if s.style in REGION_STYLES and s.op == "all_reduce" and s.phase == "backward":
             out += [replace(s, op="all_gather", phase="forward", when="always", note="sequence chunks gathered in"),
                     replace(s, op="reduce_scatter", note="dX of the gather")]
-        elif s.style == "rowwise" and s.op == "all_reduce" and s.phase == "forward":
+        elif _row_exit(s):
             out += [replace(s, op="reduce_scatter", note="partial sums into sequence chunks"),
                     replace(s, op="all_gather", phase="backward", when="train", note="dY of the reduce-scatter")]
+            bias = params.get(f"{s.module}.bias")
+            if bias is not None and _replicated(bias):
+                out.append(CollectiveSite(s.module, "all_reduce", "backward", fixed=_numel(bias.shape), when="train",
+                                          style="sequence", note="row bias gradient (added to sequence chunks)"))
+        elif _column_entry(s):  # a column split outside any region gathers the chunks itself
+            out += [replace(s, op="all_gather", phase="forward", when="always", note="sequence chunks gathered in"),
+                    replace(s, op="reduce_scatter", note="dX of the gather")]
         else:
             out.append(s)
     blocks = sorted({b for b in (block_of(p.name) for p in inv.params) if b is not None},
                     key=lambda b: int(b.rsplit(".", 1)[1]))
     for p in inv.params:
-        block = block_of(p.name)
         module = p.name.rpartition(".")[0]
-        outside = not any(module == a or module.startswith(a + ".") for a in anchors)
-        if block is not None and outside and all(r.pieces is None for r in p.ranks):
+        inside = any(module == a or module.startswith(a + ".") for a in anchors)
+        if block_of(p.name) is not None and not inside and module not in rows and _replicated(p):
             out.append(CollectiveSite(module, "all_reduce", "backward", fixed=_numel(p.shape), when="train",
                                       style="sequence", note="gradient of a replicated parameter that sees "
                                                              "one sequence chunk"))
-    for s in [s for s in out if s.style == "rowwise" and s.op == "reduce_scatter"]:
-        bias = next((p for p in inv.params if p.name == f"{s.module}.bias"), None)
-        if bias is not None:
-            out.append(CollectiveSite(s.module, "all_reduce", "backward", fixed=_numel(bias.shape), when="train",
-                                      style="sequence", note="row bias gradient (added to sequence chunks)"))
     if blocks:
         first, parent = blocks[0], blocks[0].rsplit(".", 2)[0]
         out += [CollectiveSite(first, "all_gather", "backward", per_token=inv.hidden, when="train", style="sequence",
@@ -88,6 +91,22 @@ def sequence_sites(inv: ModelInventory) -> list[CollectiveSite]:
                 CollectiveSite(parent, "all_gather", "forward", per_token=inv.hidden, style="sequence",
                                note="sequence chunks joined after the last block")]
     return out
+
+
+def _row_exit(s: CollectiveSite) -> bool:
+    """A row split's all-reduce of its partial sums, inside the blocks (not the embedding's)."""
+    return s.op == "all_reduce" and s.phase == "forward" and s.per_token > 0 and not s.head \
+        and s.style != "vocab" and block_of(s.module) is not None
+
+
+def _column_entry(s: CollectiveSite) -> bool:
+    """A column split outside any region: the all-reduce of its dX, inside the blocks."""
+    return s.op == "all_reduce" and s.phase == "backward" and s.per_token > 0 and not s.head \
+        and block_of(s.module) is not None
+
+
+def _replicated(p) -> bool:
+    return all(r.pieces is None for r in p.ranks)
 
 
 def _numel(shape) -> int:

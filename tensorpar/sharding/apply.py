@@ -98,6 +98,9 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     if sequence_parallel:
         _sequence_parallel(model, res, seq_blocks, tp_group, tp_size, undo,
                            prove and not on_meta, example_inputs)
+        if not (prove and not on_meta):
+            res.notes.append("sequence parallelism applied without its proof (" +
+                             ("no weights to run" if on_meta else "prove=False") + ")")
     C.tag_params(model, built, tp_size, res)
     model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1

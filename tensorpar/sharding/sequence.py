@@ -28,13 +28,16 @@ difference beyond rounding undoes everything and raises ``ValueError``.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding, regions
+from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
+                          VocabParallelEmbedding, regions)
 from tensorpar.sharding import marks as M, probes
 from tensorpar.sharding.discover import first_tensor
 from tensorpar.sharding.verdicts import rel
 
 REGION_STYLES = ("attention", "mlp")
+MOE_STYLES = ("moe", "moe_split", "moe_experts")  # regions sequence parallelism refuses
 
 
 def check(model, res, tp_size: int) -> list:
@@ -54,26 +57,84 @@ def check(model, res, tp_size: int) -> list:
     if probes.has_cross_attention(model):
         raise ValueError(f"sequence_parallel=True is for decoder-only and encoder-only models; "
                          f"{type(model).__name__} has cross-attention: use sequence_parallel=False")
+    dropout = _chunk_dropout(model, res, blist)
+    if dropout:
+        raise ValueError(f"sequence_parallel=True with dropout on the sequence chunks ({', '.join(dropout[:3])}): "
+                         f"every rank draws the same masks, so they would repeat along the sequence; set "
+                         f"those dropout probabilities to 0 or use sequence_parallel=False")
     return blist
+
+
+# dropout probabilities a block applies functionally to its hidden states (Falcon's hidden_dropout)
+_HIDDEN_DROPOUT = ("hidden_dropout", "resid_pdrop", "residual_dropout", "hidden_dropout_prob", "resid_dropout")
+
+
+def _chunk_dropout(model, res, blist) -> list:
+    """Dropout that would act on sequence chunks: an ``nn.Dropout`` with p > 0 in a block outside its
+    regions, or a config's hidden-state dropout above 0."""
+    anchors = _anchors(res, blist)
+    found = [f"{name} p={mod.p}" for bname, block in blist for name, mod in block.named_modules(prefix=bname)
+             if isinstance(mod, nn.Dropout) and mod.p > 0 and not _inside(name, anchors)]
+    return found + config_dropout(getattr(model, "config", None))
+
+
+def config_dropout(config) -> list:
+    """A config's (or config.json's dict's) hidden-state dropout probabilities above 0
+    (``["config.resid_pdrop=0.1"]``)."""
+    if isinstance(config, dict):  # config.json read as it is
+        text = config.get("text_config") or config
+        values = {key: text.get(key) for key in _HIDDEN_DROPOUT}
+    else:
+        text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+        values = {key: getattr(text, key, None) for key in _HIDDEN_DROPOUT}
+    return [f"config.{k}={v}" for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+
+
+def _anchors(res, blist) -> set:
+    """The region anchors inside the chosen blocks (a vision tower's regions outside them keep
+    their whole inputs and stay as they are)."""
+    names = [b for b, _ in blist]
+    return {a for a in M.regions(res.placements) if any(a.startswith(b + ".") for b in names)}
+
+
+def _inside(name: str, anchors: set) -> bool:
+    return any(name == a or name.startswith(a + ".") for a in anchors)
 
 
 def apply(model, res, blist, tp_group, undo) -> None:
     """Install sequence parallelism on the split ``model`` (every change logged in ``undo``)."""
-    anchors = set(M.regions(res.placements))
+    anchors = _anchors(res, blist)
     for anchor in anchors:
         undo.add(regions.swap_entry(model.get_submodule(anchor), sequence=True))
     for bname, block in blist:
         for name, mod in block.named_modules(prefix=bname):
-            inside = any(name == a or name.startswith(a + ".") for a in anchors)
+            inside = _inside(name, anchors)
             _sequence_module(mod, name, inside, undo)
             if inside or isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             for attr, p in mod.named_parameters(recurse=False):
-                if p.requires_grad and attr not in regions.substituted(mod):
+                placed = res.placements.get(f"{name}.{attr}")
+                if placed is not None and placed.style != "grad_sync":  # split by a parameter style
+                    raise ValueError(f"{name}.{attr} is split by {placed.style!r} outside "
+                                     f"the block's regions: it has no sequence-parallel form here; use "
+                                     f"sequence_parallel=False")
+                if attr not in regions.substituted(mod):  # frozen ones too: they may be unfrozen later
                     regions.sync_grad(mod, attr, tp_group)
                     undo.add(lambda mod=mod, attr=attr: regions.drop_substitute(mod, attr))
     undo.add(regions.scatter_sequence(blist[0][1], tp_group).remove)
     undo.add(regions.gather_sequence(blist[-1][1], tp_group).remove)
+    undo.add(model.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True).remove)
+
+
+def _refuse_hidden_states(model, args, kwargs):
+    """Hidden states between blocks are sequence chunks: refuse to return them as if whole."""
+    asked = kwargs.get("output_hidden_states")
+    config = getattr(model, "config", None)
+    if asked or (asked is None and getattr(config, "output_hidden_states", False)):
+        raise ValueError(f"{type(model).__name__} is sequence parallel: the hidden states between its blocks "
+                         f"are chunks of the sequence, different on every rank; output_hidden_states=True "
+                         f"needs a model parallelized without sequence_parallel")
 
 
 def _sequence_module(mod, name: str, inside: bool, undo) -> None:
@@ -88,7 +149,7 @@ def _sequence_module(mod, name: str, inside: bool, undo) -> None:
             raise ValueError(f"{name}: a column-parallel linear that gathers its output inside a block "
                              f"has no sequence-parallel form here: use sequence_parallel=False")
         undo.set_attr(mod, "sequence_parallel", True)
-    elif isinstance(mod, (ReplicatedHeadLinear, VocabParallelEmbedding)) and not inside:
+    elif isinstance(mod, (ReplicatedHeadLinear, VocabParallelEmbedding, ShardedRMSNorm)) and not inside:
         raise ValueError(f"{name}: a {type(mod).__name__} outside the block's regions has no "
                          f"sequence-parallel form here: use sequence_parallel=False")
 
@@ -99,12 +160,18 @@ def example(model, given, tp_size: int):
     if given is not None or not isinstance(inputs, dict) or "input_ids" not in inputs:
         return inputs
     t = inputs["input_ids"].shape[1]
-    keep = max(tp_size, t - t % tp_size)
-    if keep > t:
+    if t >= tp_size:
+        keep = t - t % tp_size
+        return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == t else v
+                for k, v in inputs.items()}
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and limit < tp_size:
         raise ValueError(f"sequence_parallel=True with tp={tp_size} needs sequences of at least {tp_size} "
-                         f"tokens; {type(model).__name__} takes at most {t}")
-    return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == t else v
-            for k, v in inputs.items()}
+                         f"tokens; {type(model).__name__} takes at most {limit}")
+    reps = -(-tp_size // t)  # the example tokens repeated up to tp of them
+    return {k: v.repeat(1, reps, *([1] * (v.dim() - 2)))[:, :tp_size]
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == t else v for k, v in inputs.items()}
 
 
 def run(model, inputs) -> tuple:
