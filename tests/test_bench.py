@@ -125,3 +125,61 @@ def test_bench_bad_arguments(args, message):
     r = subprocess.run([sys.executable, "-m", "tensorpar", "bench", *args], capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_train_guard_refuses_a_variant_that_computes_another_step():
+    """In one process: a copy of the dense model passes the guard, a step whose loss is off by
+    1e-4 makes it raise, naming the variant, before anything is timed."""
+    import contextlib
+    import copy
+
+    import torch
+
+    from tensorpar.bench.train import _adamw, _torch_step, guard
+    from tensorpar.models.testing import make_tiny_model
+
+    dense = make_tiny_model("llama", seed=3, dtype=torch.float32)
+    ids = torch.randint(0, dense.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    copy_ = copy.deepcopy(dense)
+    right = _torch_step(copy_, _adamw(copy_), ids, contextlib.nullcontext)
+    ok = {"dense_2t": (dense, _adamw(dense), None), "right": (copy_, None, right)}
+    assert guard(ok, ids)["right"]["loss_rel_err"] <= 1e-6
+    dense = make_tiny_model("llama", seed=3, dtype=torch.float32)
+    copy_ = copy.deepcopy(dense)
+    step = _torch_step(copy_, _adamw(copy_), ids, contextlib.nullcontext)
+
+    def off():  # the same step, its loss reported 1e-4 too high
+        res = step()
+        return {**res, "loss": res["loss"] * (1 + 1e-4)}
+    wrong = {"dense_2t": (dense, _adamw(dense), None), "wrong": (copy_, None, off)}
+    with pytest.raises(RuntimeError, match=r"wrong loss_rel_err 1\.0"):
+        guard(wrong, ids)
+
+
+@pytest.mark.multirank
+def test_train_bench_times_every_variant_after_the_losses_agree():
+    from tensorpar.bench.report import train_table
+    from tensorpar.bench.train import CHECKPOINTS, QUICK, VARIANTS, run_train_bench
+
+    rows = run_train_bench(3, **QUICK)
+    steps = [r for r in rows if r["kind"] == "step"]
+    ckpts = [r for r in rows if r["kind"] == "checkpoint"]
+    assert [r["variant"] for r in steps] == list(VARIANTS)
+    assert [r["name"] for r in ckpts] == [c[0] for c in CHECKPOINTS]
+    dense = steps[-1]["guard"]["loss"]
+    for r in steps:
+        assert r["guard"]["loss"] == pytest.approx(dense, rel=1e-5)  # every variant trains the same model
+        assert len(r["samples_s"]) == r["rounds"] == 3 and r["median_s"] > 0
+        if r["variant"] != "dense_2t":
+            assert r["transports"] == ["shm"]
+            assert r["guard"]["step2_loss_rel_err"] <= 1e-5 and r["guard"]["grad_norm_rel_err"] <= 1e-4
+    by = {r["variant"]: r for r in steps}
+    per_round = sorted(a / b for a, b in zip(by["tp_tp2"]["samples_s"], by["torch_dtensor_tp2"]["samples_s"]))
+    assert by["tp_tp2"]["vs_baseline"] == pytest.approx(per_round[1], rel=1e-12)
+    assert by["tp_dp2_fsdp"]["baseline"] == "torch_fsdp2_dp2" and by["torch_fsdp2_dp2"]["vs_baseline"] is None
+    for r in ckpts:
+        assert r["save_s"] > 0 and r["load_s"] > 0 and len(r["save_samples_s"]) == QUICK["saves"]
+        # each rank writes its own shard, nothing gathered (the rest: DCP's per-item headers)
+        assert all(0.9 < x < 1.1 for x in r["written_vs_shard"]), r["written_vs_shard"]
+    table = train_table(rows)
+    assert table.count("\n") == 2 + len(steps) + 1 + 2 + len(ckpts)

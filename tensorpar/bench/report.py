@@ -80,6 +80,56 @@ def _share(c: dict) -> str:
     return f"{_ms(c['collective_s_per_token'])} ({share:.0%})" if share is not None else _ms(c["collective_s_per_token"])
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _ratio(x, bold: bool = False) -> str:
+    if x is None:
+        return "–"
+    return f"**{x:.2f}**" if bold else f"{x:.2f}"
+
+
+_TRAIN_NAMES = {"tp_dp2_ddp": "tensorpar DDP", "tp_dp2_fsdp": "tensorpar FSDP", "torch_fsdp2_dp2": "PyTorch FSDP2",
+                "tp_tp2": "tensorpar TP", "torch_dtensor_tp2": "PyTorch DTensor TP", "dense_2t": "dense, 2 threads"}
+
+
+def _train_step_row(r: dict) -> str:
+    g = r["guard"]
+    checks = (f"{g['loss_rel_err']:.1e}, {g['step2_loss_rel_err']:.1e}, {g['grad_norm_rel_err']:.1e}"
+              if "loss_rel_err" in g else f"reference (norm {g['grad_norm_rel_err']:.1e})")
+    base = f" / {_TRAIN_NAMES[r['baseline']]}" if r["baseline"] else ""
+    return (f"| {_TRAIN_NAMES[r['variant']]} | {r['layout']} | {_ms(r['median_s'], 4)} | {r['tokens_per_s']:.0f} | "
+            f"{_ratio(r['vs_baseline'], bold=True)}{base} | {_ratio(r['vs_dense_2t'])} | {checks} |")
+
+
+def _train_ckpt_row(r: dict) -> str:
+    name = f"{r['implementation']} ({_TRAIN_NAMES[r['variant']]})"
+    written, held = r["bytes_written_per_rank"], r["shard_bytes_per_rank"]
+    return (f"| {name} | {r['layout']} | {_ms(r['save_s'], 4)} | {_ms(r['load_s'], 4)} | "
+            f"{_ratio(r['save_vs_baseline'], bold=True)} | {_ratio(r['load_vs_baseline'], bold=True)} | "
+            f"{', '.join(_mb(w) for w in written)} | {', '.join(_mb(h) for h in held)} | "
+            f"{', '.join(f'{x:.3f}' for x in r['written_vs_shard'])} |")
+
+
+def train_table(rows: list[dict]) -> str:
+    """Two tables: one row per training-step variant (median step, tokens/s, the paired ratios to
+    its PyTorch baseline and to the unsplit model, the guard's relative differences from the dense
+    model), then one per checkpointer (save and load medians, the ratios to PyTorch's DCP at the
+    same layout, bytes written per rank against the rank's shard)."""
+    steps = [r for r in rows if r["kind"] == "step"]
+    ckpts = [r for r in rows if r["kind"] == "checkpoint"]
+    head = ("| variant | layout | step | tokens/s | / PyTorch | / dense | rel. diff from dense: loss 1, loss 2, "
+            "grad norm |\n|---|---|---:|---:|---|---:|---|\n")
+    table = head + "\n".join(_train_step_row(r) for r in steps) + "\n"
+    if ckpts:
+        table += ("\n| checkpoint | layout | save | load | save / DCP | load / DCP | written per rank | "
+                  "shard per rank (params + AdamW) | written / shard |\n"
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+        table += "\n".join(_train_ckpt_row(r) for r in ckpts) + "\n"
+    return table
+
+
 _RATIO_TICKS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0)
 
 

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-SUITES = ("mlp", "models", "decode")
+SUITES = ("mlp", "models", "decode", "train")
 
 
 def add_parser(sub) -> None:
@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a smoke run of the chosen suites: the MLP suite at its two smallest sizes, the models "
                    "suite's three architectures at ~0.6M parameters and 2x32 tokens, the decode suite's Llama at "
-                   "~0.6M parameters, batches 1 and 2, 8 tokens")
+                   "~0.6M parameters, batches 1 and 2, 8 tokens, the train suite's Llama at ~0.6M parameters, "
+                   "4x32 tokens, 2 saves and loads")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -84,5 +85,14 @@ def _run(args, suites, out, report, phase):
         results["decode"], tables["decode"] = rows, report.decode_table(rows)
         (out / "decode.md").write_text(tables["decode"])
         files.append(out / "decode.md")
+    if "train" in suites:
+        from tensorpar.bench.train import QUICK as TRAIN_QUICK
+        from tensorpar.bench.train import run_train_bench
+
+        with phase("train suite: a training step at dp 2 and tp 2 against FSDP2 and DTensor TP; checkpoints"):
+            rows = run_train_bench(args.repeats, **(TRAIN_QUICK if args.quick else {}))
+        results["train"], tables["train"] = rows, report.train_table(rows)
+        (out / "train.md").write_text(tables["train"])
+        files.append(out / "train.md")
     files.append(report.write_json(results, out / "results.json"))
     return results, tables, files
