@@ -23,7 +23,7 @@ TOL = {"float64": (1e-12, 1e-12), "float32": (1e-5, 1e-4)}  # (loss, clipped nor
 LAYOUTS = [(2, 2, "ddp", False, "float64"), (2, 2, "fsdp", False, "float64"), (1, 4, "ddp", False, "float64"),
            (4, 1, "fsdp", False, "float64"),
            (2, 2, "ddp", True, "float64"), (2, 2, "fsdp", True, "float64"), (1, 4, "fsdp", True, "float64"),
-           (1, 4, "ddp", True, "float64"),
+           (1, 4, "ddp", True, "float64"), (1, 4, "fsdp", False, "float64"),
            (2, 2, "fsdp", True, "float32"), (2, 2, "ddp", False, "float32")]
 
 

@@ -16,7 +16,8 @@ from tests import _saving_workers as W
 # float64, the same bound as the mesh training tests (tests/test_models_mesh.py): a resumed run
 # repeats the uninterrupted one's operations, up to summation order in other layouts.
 TOL = 1e-12
-LOADS = [(2, 2, "ddp"), (1, 4, None), (4, 1, "fsdp"), (2, 2, "fsdp")]
+# "cold": loaded into a model that has not run a forward yet (what a training job's resume does)
+LOADS = [(2, 2, "ddp"), (1, 4, None), (4, 1, "fsdp"), (2, 2, "fsdp"), (2, 2, "fsdp", "cold")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,7 +28,7 @@ def resumed(save_layout) -> list:
 
 
 @pytest.mark.parametrize("save_layout", [(2, 2, "ddp"), (2, 2, "fsdp")], ids=["saved-dp2xtp2-ddp", "saved-dp2xtp2-fsdp"])
-@pytest.mark.parametrize("load_layout", LOADS, ids=lambda x: f"loaded-dp{x[0]}xtp{x[1]}-{x[2]}")
+@pytest.mark.parametrize("load_layout", LOADS, ids=lambda x: f"loaded-dp{x[0]}xtp{x[1]}-{x[2]}{''.join('-' + a for a in x[3:])}")
 def test_a_resumed_run_continues_the_uninterrupted_curve(save_layout, load_layout):
     for res in resumed(save_layout):
         r = res[load_layout]
