@@ -130,11 +130,7 @@ def refusal_worker():
         split(input_ids=_ids(split), output_hidden_states=True)
     except ValueError as exc:
         out["hidden_states"] = str(exc)
-    dropped = make_tiny_model("gpt2", seed=1, resid_pdrop=0.1)
-    try:  # every rank would draw the same masks for its chunk
-        parallelize(dropped, sequence_parallel=True)
-    except ValueError as exc:
-        out["dropout"] = (str(exc), hasattr(dropped, "tp_report"))
+
     # a wrong sequence-parallel split (the norms' gradients left partial) is caught by the proof
     # and undone, the model left dense
     victim = make_tiny_model("llama", seed=1)
@@ -148,4 +144,35 @@ def refusal_worker():
         out["wrong"] = (str(exc), hasattr(victim, "tp_report"), type(layer.mlp.down_proj).__name__, hooks)
     finally:
         regions.sync_grad = real
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def dropout_worker():
+    """GPT-2 with dropout, in training mode, split at tp 4, each rank's default generator seeded
+    alike: digests of what each rank drew, for the test to compare across ranks. Without sequence
+    parallelism: the attention-probability masks of its own heads (after dropout, eager attention)
+    and the residual stream after the last block (replicated: its masks must agree). With it: the
+    residual dropout's mask on its own sequence chunk. And the default generator's state after."""
+    warnings.filterwarnings("ignore")
+    dense = make_tiny_model("gpt2", seed=1, attn_pdrop=0.5, resid_pdrop=0.5)
+    dense.set_attn_implementation("eager")  # the attention weights come back after their dropout
+    out = {}
+    for sp in (False, True):
+        split = parallelize(copy.deepcopy(dense), sequence_parallel=sp).train()
+        seen = {}
+        h0 = split.transformer.h[0].attn.resid_dropout.register_forward_hook(
+            lambda m, a, o: seen.__setitem__("resid", o == 0))
+        h1 = split.transformer.h[-1].register_forward_hook(lambda m, a, o: seen.__setitem__("last", o[0] if isinstance(o, tuple) else o))
+        torch.manual_seed(11)
+        res = split(input_ids=_ids(split), output_attentions=True)
+        h0.remove()
+        h1.remove()
+        out[sp] = {"attn": _digest(res.attentions[0] == 0), "resid": _digest(seen["resid"]),
+                   "last": _digest(seen["last"].detach()), "rng": _digest(torch.get_rng_state()),
+                   "forked": "_tp_rng_fork" in split.__dict__}
     return out

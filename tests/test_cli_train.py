@@ -198,7 +198,6 @@ def _bad_inputs(files, tmp):
         (m + ["--out", files["text"]], "is a file"),
         # what the ranks would refuse, refused before they start
         (["--model", _tiny(files, "mixtral"), "--sequence-parallel"], "has mixture-of-experts layers"),
-        (["--model", _tiny(files, "gpt2", resid_pdrop=0.1), "--sequence-parallel"], "config.resid_pdrop=0.1"),
         (["--model", _tiny(files, "gpt2"), "--zero", "3", "--save-every", "2"], "transposed (Conv1D) shard"),
     ]
 

@@ -108,10 +108,29 @@ def test_tp_1_and_a_sequence_that_does_not_divide_are_refused():
     assert "splits the sequence (7 tokens) over tp=4 ranks" in refusals()["seq7"]
 
 
-def test_hidden_states_and_dropout_on_chunks_are_refused():
+def test_hidden_states_between_chunked_blocks_are_refused():
     assert "output_hidden_states=True needs a model parallelized without sequence_parallel" in refusals()["hidden_states"]
-    message, touched = refusals()["dropout"]
-    assert "dropout on the sequence chunks" in message and "config.resid_pdrop=0.1" in message and not touched
+
+
+@functools.lru_cache(maxsize=None)
+def dropout() -> list:
+    return dist.launch(W.dropout_worker, 4, deadline=300)
+
+
+def test_dropout_on_sharded_activations_draws_its_own_masks_on_each_rank():
+    """GPT-2 with dropout at tp 4, every rank's generator seeded alike. Each rank's heads (and,
+    with sequence parallelism, its chunk of the residual stream) get masks of their own, drawn
+    from a per-rank generator state (tensorpar.nn.regions.RngFork): with the shared generator
+    all four would repeat one pattern. What every rank holds alike, the residual stream without
+    sequence parallelism, gets the same masks on every rank, and the default generator stays in
+    step across ranks."""
+    results = dropout()
+    for sp in (False, True):
+        assert all(r[sp]["forked"] for r in results)
+        assert len({r[sp]["attn"] for r in results}) == 4, "attention masks repeat across ranks' heads"
+        assert len({r[sp]["rng"] for r in results}) == 1, "the default generators went out of step"
+    assert len({r[False]["last"] for r in results}) == 1, "the replicated residual stream differs across ranks"
+    assert len({r[True]["resid"] for r in results}) == 4, "residual masks repeat across sequence chunks"
 
 
 def test_example_inputs_reach_tp_tokens_when_the_default_is_shorter():

@@ -147,8 +147,8 @@ def prepare(cfg: TrainConfig) -> dict:
 
 def _check_split(cfg: TrainConfig, ckpt):
     """The model's inventory (its split at this tp, built on the meta device), after refusing what
-    the ranks would refuse later: sequence parallelism over mixture-of-experts layers or with
-    dropout on the chunks, and saving a transposed (Conv1D) shard under FSDP."""
+    the ranks would refuse later: sequence parallelism over mixture-of-experts layers, and saving
+    a transposed (Conv1D) shard under FSDP."""
     from tensorpar.sharding import sequence
     from tensorpar.sharding.inventory import build_inventory
 
@@ -158,10 +158,6 @@ def _check_split(cfg: TrainConfig, ckpt):
         if moe:
             raise ValueError(f"--sequence-parallel: {ckpt.path.name} has mixture-of-experts layers ({', '.join(moe)} "
                              f"regions), which sequence parallelism does not chunk; drop --sequence-parallel")
-        dropout = sequence.config_dropout(ckpt.config)
-        if dropout:
-            raise ValueError(f"--sequence-parallel with dropout on the sequence chunks ({', '.join(dropout)}): every "
-                             f"rank would draw the same masks; set it to 0 in config.json or drop --sequence-parallel")
     transposed = [p.name for p in inv.params if any(r.transpose for r in p.ranks)]
     if cfg.zero == 3 and transposed and (cfg.save_every or cfg.export):
         raise ValueError(f"--zero 3 with --save-every/--export: {transposed[0]} is a transposed (Conv1D) shard, "

@@ -224,6 +224,54 @@ def rank0_only(module, attr: str, group) -> None:
     _substitutes(module).transforms[attr] = _Rank0(group)
 
 
+class RngFork:
+    """This rank's own generator state (``tracker``'s ``TP_RNG``, :mod:`tensorpar.nn.random`) while
+    a stretch of the model runs whose activations are sharded (a region's heads or columns up to
+    its row-parallel reduction, the sequence chunks), the default generator outside it, which
+    every rank keeps in step (the same masks for replicated activations). One object per model:
+    a stretch inside a forked one forks nothing more."""
+
+    def __init__(self, tracker):
+        self.tracker, self.open = tracker, []  # [(stretch, context or None)], innermost last
+
+    def _enter(self, stretch):
+        ctx = None
+        if not any(c is not None for _, c in self.open):
+            ctx = self.tracker.fork()
+            ctx.__enter__()
+        self.open.append((stretch, ctx))
+
+    def _leave(self, stretch):
+        if self.open and self.open[-1][0] is stretch:  # a stretch already left (or never entered): no-op
+            _, ctx = self.open.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+    def close(self, module, args, output):
+        """On the model itself, always: a forward that raised inside a stretch gives the default
+        generator back."""
+        while self.open:
+            self._leave(self.open[-1][0])
+
+    def around(self, first, ends) -> list:
+        """Hooks forking from ``first``'s forward until the first of ``ends`` finishes its forward
+        (each later one, and a repeat, is then a no-op); returns the handles."""
+        stretch = object()
+        handles = [first.register_forward_pre_hook(partial(_fork_enter, fork=self, stretch=stretch))]
+        for end in ends:
+            handles.append(end.register_forward_hook(partial(_fork_leave, fork=self, stretch=stretch),
+                                                     always_call=True))
+        return handles
+
+
+def _fork_enter(module, args, *, fork, stretch):
+    fork._enter(stretch)
+
+
+def _fork_leave(module, args, output, *, fork, stretch):  # returns None: the output is left as it is
+    fork._leave(stretch)
+
+
 def same_forward(module) -> bool:
     """Whether ``module``'s forward hooks, if any, are all tensorpar's and leave the values of a
     forward without gradients as they are: region entries (``f`` is the identity forward) and
@@ -232,7 +280,8 @@ def same_forward(module) -> bool:
     for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()):
         entry = isinstance(hook, partial) and hook.func in (_copy_in, _copy_all)
         substitute = subs is not None and getattr(hook, "__self__", None) is subs
-        if not (entry or substitute and all(t.grad_only for t in subs.transforms.values())):
+        rng = isinstance(hook, partial) and hook.func in (_fork_enter, _fork_leave)  # swaps generators, not values
+        if not (entry or rng or substitute and all(t.grad_only for t in subs.transforms.values())):
             return False
     return True
 

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from tensorpar.nn import ReplicatedHeadLinear, regions
+from tensorpar.nn import ReplicatedHeadLinear, RowParallelLinear, regions
 from tensorpar.sharding import registry
 from tensorpar.sharding import marks as M
 from tensorpar.sharding.sizes import attention_dims, is_count
@@ -147,6 +147,11 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
         module = model.get_submodule(anchor)
         handle = regions.enter_region(module, tp_group, all_inputs=p.style == "moe_experts")
         undo.add(handle.remove)
+        if has_dropout(module):  # masks on its heads (or columns) must differ from rank to rank,
+            # up to its row-parallel reduction: a dropout after it acts on the replicated sum
+            rows = [m for m in module.modules() if isinstance(m, RowParallelLinear) and m.reduce_output]
+            for h in rng_fork(model, tp_group, undo).around(module, [*rows, module]):
+                undo.add(h.remove)
         if p.style in ("moe", "moe_experts"):
             undo.add(regions.exit_region(module, tp_group).remove)
         if p.style == "moe_split":  # reduce where the partial sums are made: the routed experts' output
@@ -161,6 +166,37 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
                 hook = partial(_slice_head_inputs, layouts=arch.head_inputs, dims=dims,
                                tp_size=tp_size, tp_rank=rank)
                 undo.add(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
+
+
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "attn_pdrop", "hidden_dropout")
+
+
+def has_dropout(module) -> bool:
+    """Whether ``module`` may drop activations in training: an ``nn.Dropout`` with p > 0 in it, or
+    a dropout probability above 0 kept as a float attribute (Hugging Face attention modules pass
+    ``self.attention_dropout`` to SDPA)."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        if any(isinstance(m.__dict__.get(a), float) and m.__dict__[a] > 0 for a in _DROPOUT_ATTRS):
+            return True
+    return False
+
+
+def rng_fork(model, tp_group, undo) -> "regions.RngFork":
+    """The model's one :class:`~tensorpar.nn.regions.RngFork` (made on first use, with a tracker
+    seeded ``torch.initial_seed() + 2718 + tp_rank`` on the parameters' device, and a hook on the
+    model that closes a stretch a failed forward left open)."""
+    fork = model.__dict__.get("_tp_rng_fork")
+    if fork is None:
+        from tensorpar.nn.random import TP_RNG, _TP_SEED_OFFSET, RNGStatesTracker
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        tracker = RNGStatesTracker("cpu" if device.type == "meta" else device)
+        tracker.add(TP_RNG, torch.initial_seed() + _TP_SEED_OFFSET + module_rank(tp_group))
+        fork = regions.RngFork(tracker)
+        undo.set_attr(model, "_tp_rng_fork", fork)
+        undo.add(model.register_forward_hook(fork.close, always_call=True).remove)
+    return fork
 
 
 def module_rank(tp_group) -> int:

@@ -12,7 +12,10 @@ there instead, exactly as Megatron-LM does for its own layers:
 - each row-parallel linear leaves the region by reduce-scatter instead of all-reduce (backward:
   all-gather of dY); its bias, added to a chunk, gets its gradient all-reduced;
 - every replicated parameter of a block outside its regions (the norms' weights and biases) sees
-  one chunk of the tokens: its gradient is all-reduced over tp.
+  one chunk of the tokens: its gradient is all-reduced over tp;
+- dropout in the blocks draws from this rank's own generator state from the first block to the
+  last (:class:`~tensorpar.nn.regions.RngFork`): each chunk gets its own masks, where the shared
+  default generator would repeat one pattern along the sequence.
 
 Forward bytes per block: an all-gather and a reduce-scatter, ``(p-1)/p N`` each, the same as the
 one all-reduce ``2(p-1)/p N`` they replace. The embedding keeps its all-reduce (a Hugging Face
@@ -28,11 +31,11 @@ difference beyond rounding undoes everything and raises ``ValueError``.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
                           VocabParallelEmbedding, regions)
 from tensorpar.sharding import marks as M, probes
+from tensorpar.sharding.commit import has_dropout, rng_fork
 from tensorpar.sharding.discover import first_tensor
 from tensorpar.sharding.verdicts import rel
 
@@ -57,38 +60,7 @@ def check(model, res, tp_size: int) -> list:
     if probes.has_cross_attention(model):
         raise ValueError(f"sequence_parallel=True is for decoder-only and encoder-only models; "
                          f"{type(model).__name__} has cross-attention: use sequence_parallel=False")
-    dropout = _chunk_dropout(model, res, blist)
-    if dropout:
-        raise ValueError(f"sequence_parallel=True with dropout on the sequence chunks ({', '.join(dropout[:3])}): "
-                         f"every rank draws the same masks, so they would repeat along the sequence; set "
-                         f"those dropout probabilities to 0 or use sequence_parallel=False")
     return blist
-
-
-# dropout probabilities a block applies functionally to its hidden states (Falcon's hidden_dropout)
-_HIDDEN_DROPOUT = ("hidden_dropout", "resid_pdrop", "residual_dropout", "hidden_dropout_prob", "resid_dropout")
-
-
-def _chunk_dropout(model, res, blist) -> list:
-    """Dropout that would act on sequence chunks: an ``nn.Dropout`` with p > 0 in a block outside its
-    regions, or a config's hidden-state dropout above 0."""
-    anchors = _anchors(res, blist)
-    found = [f"{name} p={mod.p}" for bname, block in blist for name, mod in block.named_modules(prefix=bname)
-             if isinstance(mod, nn.Dropout) and mod.p > 0 and not _inside(name, anchors)]
-    return found + config_dropout(getattr(model, "config", None))
-
-
-def config_dropout(config) -> list:
-    """A config's (or config.json's dict's) hidden-state dropout probabilities above 0
-    (``["config.resid_pdrop=0.1"]``)."""
-    if isinstance(config, dict):  # config.json read as it is
-        text = config.get("text_config") or config
-        values = {key: text.get(key) for key in _HIDDEN_DROPOUT}
-    else:
-        text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-        values = {key: getattr(text, key, None) for key in _HIDDEN_DROPOUT}
-    return [f"config.{k}={v}" for k, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
 
 
 def _anchors(res, blist) -> set:
@@ -124,6 +96,9 @@ def apply(model, res, blist, tp_group, undo) -> None:
                     undo.add(lambda mod=mod, attr=attr: regions.drop_substitute(mod, attr))
     undo.add(regions.scatter_sequence(blist[0][1], tp_group).remove)
     undo.add(regions.gather_sequence(blist[-1][1], tp_group).remove)
+    if any(has_dropout(block) for _, block in blist):  # each rank's chunk draws its own masks
+        for h in rng_fork(model, tp_group, undo).around(blist[0][1], [blist[-1][1]]):
+            undo.add(h.remove)
     undo.add(model.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True).remove)
 
 
