@@ -119,3 +119,28 @@ def export_worker(root, layout):
         with torch.no_grad():
             out[f"tp{tp}"] = ((split(input_ids=probe).logits - want).abs().max() / want.abs().max()).item()
     return out
+
+
+def dropout_resume_worker(root):
+    """GPT-2 with dropout, tp 2, training mode: 6 steps uninterrupted; and 3 steps, saved, loaded
+    into a model split from other weights, 3 more. With the default generator and the per-rank
+    tensor-parallel one both restored, the resumed losses repeat the uninterrupted ones (the same
+    masks); returns both curves."""
+    warnings.filterwarnings("ignore")
+    dense = make_tiny_model("gpt2", seed=5, attn_pdrop=0.3, resid_pdrop=0.3)
+    steps = batches(dense.config.vocab_size)[:6]
+
+    def run(model, opt, ids):
+        return [train_step(model, opt, x, max_norm=MAX_NORM)["loss"] for x in ids]
+
+    torch.manual_seed(1)
+    model = parallelize(dense).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    first = run(model, opt, steps[:3])
+    saving.save(model, opt, root, step=3)
+    whole = first + run(model, opt, steps[3:])
+    torch.manual_seed(99)  # another generator state, replaced by the checkpoint's
+    other = parallelize(make_tiny_model("gpt2", seed=77, attn_pdrop=0.3, resid_pdrop=0.3)).train()
+    opt = torch.optim.AdamW(other.parameters(), lr=LR, weight_decay=DECAY)
+    saving.load(other, opt, root)
+    return {"whole": whole, "resumed": first + run(other, opt, steps[3:])}

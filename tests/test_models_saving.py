@@ -60,6 +60,14 @@ def test_a_checkpoint_saved_at_dp2xtp2_resumes_at_tp3_and_unsplit():
         assert r["err"] <= TOL, (layout, r)
 
 
+def test_a_resume_with_dropout_repeats_the_uninterrupted_masks(tmp_path):
+    """GPT-2 with attention and residual dropout at tp 2: the checkpoint keeps each rank's default
+    generator and its tensor-parallel one, so steps 4-6 after a resume draw the same masks as the
+    uninterrupted run and give the same losses, exactly (the same operations in the same order)."""
+    for r in dist.launch(W.dropout_resume_worker, 2, str(tmp_path), deadline=300):
+        assert r["resumed"] == r["whole"], r
+
+
 @pytest.mark.parametrize("where", ["write", "commit"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, where):
     with pytest.raises(dist.RankFailedError):

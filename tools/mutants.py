@@ -244,6 +244,12 @@ MUTANTS = [
     M("planner: FSDP shards not padded", "planner/mesh.py",
       "return -(-rows // dp) * dp", "return rows",
       ("tests/test_planner_mesh.py",)),
+    M("dropout: regions draw from the shared generator", "sharding/commit.py",
+      "if has_dropout(module):  # masks on its heads (or columns) must differ from rank to rank,", "if False:",
+      ("tests/test_models_sequence.py", "-k", "dropout")),
+    M("dropout: the tensor-parallel generator not restored on load", "models/saving.py",
+      'model.__dict__["_tp_rng_fork"].tracker.set_state(TP_RNG, state[_tp_rng_key()])', "pass",
+      ("tests/test_models_saving.py", "-k", "dropout")),
 ]
 
 

@@ -16,7 +16,8 @@ write its ``COMPLETE`` record, move it to ``step-NNNNNNNN`` and replace the ``la
 (``os.replace``). A save interrupted anywhere leaves ``latest`` on the previous checkpoint; the
 unfinished folder has no ``COMPLETE`` and is never read.
 
-Also stored: the step, the optimizer's hyperparameters, and each rank's torch RNG state (restored
+Also stored: the step, the optimizer's hyperparameters, and each rank's torch RNG state and, for a
+model with dropout, its per-rank tensor-parallel generator state (both restored
 when the world size is the same).
 """
 from __future__ import annotations
@@ -123,7 +124,14 @@ def _state(model, optimizer, step: int | None) -> dict:
         out["optim.param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     out["step"] = step
     out[f"rng.{dist.get_rank()}"] = torch.get_rng_state()
+    fork = model.__dict__.get("_tp_rng_fork")
+    if fork is not None:  # the per-rank state dropout draws from where activations are sharded
+        out[_tp_rng_key()] = fork.tracker.get_state()
     return out
+
+
+def _tp_rng_key() -> str:
+    return f"rng.{dist.get_rank()}.tensor_parallel"
 
 
 def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Path:
@@ -252,6 +260,8 @@ def load(model, optimizer, path) -> int:
     same_layout = all(record.get(k) == v for k, v in _layout(model).items())
     if not same_layout:  # another rank numbering: a rank's generator is not this rank's to take
         state.pop(f"rng.{dist.get_rank()}")
+    if not same_layout or _tp_rng_key() not in saved:
+        state.pop(_tp_rng_key(), None)
     with torch.no_grad():  # into the parameters' own storage
         dcp.read(state, folder)
     if optimizer is not None:
@@ -263,6 +273,9 @@ def load(model, optimizer, path) -> int:
                     st[k] = state[f"optim.{names[id(p)]}.{k}"]
     if same_layout:
         torch.set_rng_state(state[f"rng.{dist.get_rank()}"])
+    if _tp_rng_key() in state:
+        from tensorpar.nn.random import TP_RNG
+        model.__dict__["_tp_rng_fork"].tracker.set_state(TP_RNG, state[_tp_rng_key()])
     return int(state["step"])
 
 

@@ -39,6 +39,15 @@ class RNGStatesTracker:
         generator.manual_seed(seed)
         self._states[name] = generator.get_state()
 
+    def get_state(self, name: str = TP_RNG) -> torch.Tensor:
+        """State ``name`` as it stands (a checkpoint keeps it)."""
+        return self._states[name].clone()
+
+    def set_state(self, name: str, state: torch.Tensor) -> None:
+        if name not in self._states:
+            raise ValueError(f"unknown RNG state {name!r}; known: {sorted(self._states)}")
+        self._states[name] = state.clone()
+
     def _get(self) -> torch.Tensor:
         if self.device.type == "cuda":
             return torch.cuda.get_rng_state(self.device)
