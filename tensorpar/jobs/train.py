@@ -25,7 +25,6 @@ import math
 import os
 import resource
 import socket
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 from tensorpar import dist
 from tensorpar.data import batch_for_step, open_tokens
+from tensorpar.jobs.relay import Relay
 from tensorpar.plots import plot_losses
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers)
@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, *, on_event=None, phase=no_phase) -> TrainReport:
     each ``step``, each ``save``), called in this process."""
     with phase("checking the arguments, the model and the data"):
         plan = prepare(cfg)
-    relay, world = _Relay(on_event), cfg.dp * cfg.tp
+    relay, world = Relay(on_event), cfg.dp * cfg.tp
     try:
         with phase(f"{world} ranks: load the model, split it, train"):
             per_rank = dist.launch(train_worker, world, plan["spec"], plan["tokens"], relay.sink,
@@ -269,62 +269,6 @@ def _resume_point(cfg: TrainConfig, tokens) -> tuple[int, str | None]:
         raise ValueError(f"--resume {cfg.resume!r} is at step {step}; --steps ({cfg.steps}) must be larger "
                          f"(it is the step to train up to, counted from the start)")
     return step, str(folder)
-
-
-# ---- rank 0's progress, to the process that shows it ---------------------------------------------
-
-class _Sink:
-    """What rank 0 calls with each event: a pipe's end (spawned ranks) or the callback itself (torchrun)."""
-
-    def __init__(self, conn=None, callback=None):
-        self.conn, self.callback = conn, callback
-
-    def send(self, event: dict) -> None:
-        if self.callback is not None:
-            self.callback(event)
-        elif self.conn is not None:
-            self.conn.send(event)
-
-
-class _Relay:
-    """Events from rank 0 to ``callback``: a thread of this process reads them from a pipe while
-    the launch waits for the ranks; under torchrun rank 0 is this process and calls it directly."""
-
-    def __init__(self, callback):
-        from tensorpar.dist.rendezvous import under_torchrun
-
-        self.callback, self._thread = callback, None
-        if callback is None or under_torchrun():
-            self.sink = _Sink(callback=callback)
-            return
-        import multiprocessing as mp
-
-        self._recv, send = mp.get_context("spawn").Pipe(duplex=False)
-        self.sink, self._stop = _Sink(conn=send), threading.Event()
-        self._thread = threading.Thread(target=self._pump, name="tensorpar-train-progress", daemon=True)
-        self._thread.start()
-
-    def _pump(self) -> None:
-        while True:
-            if not self._recv.poll(0.1):
-                if self._stop.is_set():
-                    return
-                continue
-            try:
-                event = self._recv.recv()
-            except (EOFError, OSError):
-                return
-            try:
-                self.callback(event)
-            except Exception:  # noqa: BLE001 - a display error must not stop the reading (rank 0 would block)
-                pass
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._recv.close()
-            self.sink.conn.close()
 
 
 # ---- on every rank -------------------------------------------------------------------------------
