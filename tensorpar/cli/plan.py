@@ -10,7 +10,8 @@ does not fit (or a search that finds none) exits 1, like a failed proof.
 know (or with ``--inventory``) is planned from tensorpar's own split instead: the plan
 ``parallelize`` would apply, built on the meta device for every rank
 (``tensorpar.sharding.inventory``), planned by :func:`tensorpar.planner.plan_inventory` (an
-:class:`~tensorpar.planner.InventoryPlanReport`; tp only).
+:class:`~tensorpar.planner.InventoryPlanReport`; with `--dp`, `--zero-stage` and `--sequence-parallel` a
+training step on a dp x tp mesh) in :mod:`tensorpar.cli.plan_inventory`.
 """
 from __future__ import annotations
 
@@ -146,6 +147,8 @@ def latency_s(args) -> float:
 
 
 def main(args) -> int:
+    from tensorpar.cli.plan_inventory import main_inventory, uses_inventory
+
     if uses_inventory(args):
         return main_inventory(args)
     model, hardware = build_model(args), build_hardware(args)
@@ -177,133 +180,7 @@ def _feasible(result) -> bool:
     return result.best is not None if isinstance(result, P.SearchResult) else bool(result.feasible)
 
 
-# ---- any architecture: the inventory of tensorpar's own split ----------------------------------------
-
-_FORMULA_ONLY = (("pp", 1, "--pp"), ("dp", 1, "--dp"), ("search", False, "--search"),
-                 ("sequence_parallel", False, "--sequence-parallel"), ("recompute", "none", "--recompute"),
-                 ("zero_stage", 0, "--zero-stage"), ("global_batch", None, "--global-batch"), ("plot", None, "--plot"),
-                 ("devices", None, "--devices"), ("kv_tokens", None, "--kv-tokens"))
-
-
-def _config_file(model: str | None):
-    from pathlib import Path
-    if not model:
-        return None
-    path = Path(model)
-    path = path / "config.json" if path.is_dir() else path
-    return path if path.is_file() and path.name.endswith(".json") else None
-
-
-def uses_inventory(args) -> bool:
-    """``--model`` is a config the formulas do not accept (or ``--inventory``): plan it from its
-    inventory. Presets and the formula families keep the formula path."""
-    path = _config_file(args.model)
-    if path is None:
-        if args.inventory:
-            raise ValueError(f"--inventory needs --model DIR or a config.json; got {args.model!r}")
-        return False
-    if args.inventory:
-        return True
-    try:
-        P.from_hf_config(path)
-    except ValueError:
-        return True
-    return False
-
-
-def main_inventory(args) -> int:
-    from tensorpar.sharding.inventory import build_inventory
-
-    mesh = ("dp", "zero_stage", "sequence_parallel") if args.workload == "train" else ()  # planned on a mesh
-    given = [flag for attr, default, flag in _FORMULA_ONLY if getattr(args, attr) != default and attr not in mesh]
-    given += [f"--{k.replace('_', '-')}" for k in SHAPES if getattr(args, k) is not None and k != "seq"]
-    if given:
-        raise ValueError(f"{', '.join(given)}: planned by the formula path only (presets, or --model of "
-                         f"{', '.join(P.hfconfig.SUPPORTED)}); a plan from tensorpar's own split covers tp alone")
-    from tensorpar.cli.progress import Phases
-
-    path = _config_file(args.model)
-    with Phases(quiet=args.json) as phase, phase(f"meta-device model, its split for each of {args.tp} ranks"):
-        inv = build_inventory(path, args.tp, head=True)
-    seq = args.seq or _max_positions(path)
-    workload = "train" if args.workload == "train" else "inference"
-    report = P.plan_inventory(inv, build_hardware(args), batch=args.micro_batch * args.dp, seq=seq,
-                              dtype=args.dtype, workload=workload, dp=args.dp, zero_stage=args.zero_stage,
-                              sequence_parallel=args.sequence_parallel)
-    if args.json:
-        print(json.dumps(report.to_dict()))
-    else:
-        _render_inventory(report)
-    return 0 if report.feasible else 1
-
-
-def _max_positions(path) -> int:
-    cfg = json.loads(path.read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(cfg.get(key), int) and cfg[key] > 0:
-            return cfg[key]
-    return 2048
-
-
-def _render_inventory(r) -> None:
-    from tensorpar.cli.progress import console as make_console
-
-    console = make_console(highlight=False)
-    m = r.model
-    console.print(f"[bold]{m['name']}[/] ({m['model_type']}, {m['model_class']}, plan: {m['plan_source']}) on "
-                  f"[bold]{r.hardware['name']}[/]: tp={r.tp}, {r.workload}, {r.dtype}, batch {r.batch}, seq {r.seq}")
-    console.print("[green]fits[/]" if r.feasible else "[bold red]does NOT fit[/]")
-    for line in r.reasons:
-        console.print(f"  [red]x[/] {line}")
-    for fix in r.fixes:
-        console.print(f"  [yellow]fix[/] {fix}")
-    for block, why in r.whole.items():
-        console.print(f"  [yellow]whole[/] {block}: {why}")
-    t = _table("model and split", "", "value")
-    t.add_row("parameters / per rank", f"{r.params:,} / {', '.join(f'{n:,}' for n in r.params_per_rank)}")
-    t.add_row("valid tp sizes", ", ".join(map(str, r.valid_tp_sizes)))
-    t.add_row(f"forward FLOPs per token (context {r.seq}) / per rank",
-              f"{r.flops['forward_per_token']:.4g} / {max(r.flops['forward_per_token_per_rank']):.4g}")
-    kv = r.kv_cache
-    t.add_row("KV cache per token (unsplit / per rank)",
-              f"{_bytes(kv['bytes_per_token'])} / {_bytes(max(kv['bytes_per_token_per_rank']))}"
-              + (f", {kv['windowed_layers']} of {kv['cached_layers']} layers windowed" if kv["windowed_layers"] else ""))
-    console.print(t)
-    mem = r.memory_per_device
-    t = _table("memory per device", "part", "bytes")
-    for part in ("weights", "gradients", "optimizer", "kv_cache", "activations", "total"):
-        t.add_row(part, "not counted" if mem[part] is None else _bytes(mem[part]))
-    t.add_row("capacity", _bytes(r.hardware["mem_bytes"]))
-    console.print(t)
-    mesh = r.comm.get("mesh_step")
-    if mesh is not None:
-        how = f"dp={mesh['dp']} ({mesh['data_parallel']}) x tp={mesh['tp']}" + (
-            ", sequence parallel" if mesh["sequence_parallel"] else "")
-        for part in ("tp", "dp"):
-            items = mesh[f"{part}_items"]
-            total = sum(i["total_bytes_sent_per_rank"][0] for i in items)
-            console.print(_prediction_table({"items": items, "bytes_sent_per_rank": [total]},
-                                            f"{part} collectives per training step on {how}, rank 0"))
-    for key, title in (("step", "per step"), ("decode_step", "per decode step")):
-        if r.comm[key] is not None and not (mesh is not None and key == "step"):
-            console.print(_prediction_table(r.comm[key], f"collectives {title} ({r.comm[key]['workload']}), rank 0"))
-    t = _table("time: lower bounds", "bound", "lower bound")
-    for key, value in r.bounds.items():
-        if key.endswith("_s"):
-            t.add_row(key.removesuffix("_s").replace("_", " "), _s(value))
-    console.print(t)
-    for note in r.notes:
-        console.print(f"- {note}")
-
-
-def _prediction_table(pred: dict, title: str):
-    t = _table(title, "op", "where", "phase", "payload N", "sent/rank", "count", "total sent")
-    for i in pred["items"]:
-        t.add_row(i["op"], i["where"], i["phase"], _bytes(i["payload_bytes"]), _bytes(i["bytes_sent_per_rank"][0]),
-                  str(i["count"]), _bytes(i["total_bytes_sent_per_rank"][0]))
-    t.add_row("", "[bold]total[/]", "", "", "", "", _bytes(pred["bytes_sent_per_rank"][0]))
-    return t
-
+# ---- search and plot (any architecture: tensorpar/cli/plan_inventory.py) -------------------------
 
 def run_search(args, model, hardware) -> P.SearchResult:
     if args.devices is None:
