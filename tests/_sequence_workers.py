@@ -115,6 +115,11 @@ def refusal_worker():
         parallelize(moe, sequence_parallel=True)
     except ValueError as exc:
         out["moe"] = (str(exc), hasattr(moe, "tp_report"))
+    bart = make_tiny_model("bart", seed=1)  # an encoder-decoder: its decoder's keys come from the encoder
+    try:
+        parallelize(bart, sequence_parallel=True)
+    except ValueError as exc:
+        out["cross"] = (str(exc), hasattr(bart, "tp_report"))
     groups = [dist.new_group([r]) for r in range(tdist.get_world_size())]
     one = groups[tdist.get_rank()]  # tp 1: a group of one rank each
     try:

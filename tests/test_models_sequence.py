@@ -103,6 +103,11 @@ def test_mixture_of_experts_is_refused_before_anything_changes():
     assert "moe regions" in message and not touched
 
 
+def test_cross_attention_is_refused_before_anything_changes():
+    message, touched = refusals()["cross"]
+    assert "has cross-attention: use sequence_parallel=False" in message and not touched
+
+
 def test_tp_1_and_a_sequence_that_does_not_divide_are_refused():
     assert "tp is 1: use tp >= 2 or sequence_parallel=False" in refusals()["tp1"]
     assert "splits the sequence (7 tokens) over tp=4 ranks" in refusals()["seq7"]
