@@ -49,12 +49,15 @@ def _predicted(items) -> Counter:
     return out
 
 
+def _cases(layout):
+    """``((dp, tp, data_parallel, sequence_parallel), inventory, rank's result)`` for every rank."""
+    inv = inventory(layout[1], *layout[4:])
+    return [(layout[:4], inv, res[layout]) for res in results()]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_planner_collectives_equal_the_ledger_per_collective(layout):
-    dp, tp, kind, sp = layout[:4]
-    inv = inventory(tp, *layout[4:])
-    for res in results():
-        r = res[layout]
+    for (dp, tp, kind, sp), inv, r in _cases(layout):
         plan = PM.mesh_step(inv, dp=dp, data_parallel=kind, sequence_parallel=sp, batch=W.BATCH, seq=W.SEQ,
                             e=8, tp_rank=r["tp_rank"])
         if tp > 1:
@@ -66,10 +69,7 @@ def test_planner_collectives_equal_the_ledger_per_collective(layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids)
 def test_planner_model_states_equal_what_each_rank_holds(layout):
-    dp, tp, kind, sp = layout[:4]
-    inv = inventory(tp, *layout[4:])
-    for res in results():
-        r = res[layout]
+    for (dp, tp, kind, sp), inv, r in _cases(layout):
         want = PM.state_bytes(inv, dp=dp, data_parallel=kind, e=8, tp_rank=r["tp_rank"], dp_rank=r["dp_rank"])
         assert r["held"] == {k: want[k] for k in ("params", "grads", "optimizer")}, (r["rank"], r["held"], want)
 

@@ -115,6 +115,9 @@ def _refuse_hidden_states(model, args, kwargs):
 def _sequence_module(mod, name: str, inside: bool, undo) -> None:
     """A parallel linear of a block switched to its sequence-parallel form (refused where none)."""
     if isinstance(mod, RowParallelLinear):
+        if not mod.input_is_parallel:  # it would cut a sequence chunk's features, then the chunk again
+            raise ValueError(f"{name}: a row-parallel linear that splits its own whole input has no "
+                             f"sequence-parallel form here: use sequence_parallel=False")
         if not mod.reduce_output:
             raise ValueError(f"{name}: a row-parallel linear whose partial sum an enclosing block reduces "
                              f"has no sequence-parallel form here: use sequence_parallel=False")
