@@ -38,11 +38,10 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from tensorpar.dist import flight, shm_segment as seg
+from tensorpar.dist import flight, settings, shm_segment as seg
 from tensorpar.dist.ledger import active_ledger
 
 BACKEND = "tpshm"
-SLOT_BYTES = int(os.environ.get("TENSORPAR_SHM_SLOT_BYTES", str(1 << 20)))
 _REDUCE = {tdist.ReduceOp.SUM: torch.Tensor.add_, tdist.ReduceOp.PRODUCT: torch.Tensor.mul_,
            tdist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
            tdist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a)}
@@ -319,7 +318,7 @@ def _attach(store, rank: int, size: int, timeout) -> "tuple[seg.Segment | None, 
 
 
 def _why_not(size: int) -> str | None:
-    if os.environ.get("TENSORPAR_TRANSPORT", "").lower() == "gloo":
+    if settings.transport() == "gloo":
         return "TENSORPAR_TRANSPORT=gloo"
     if size == 1:
         return "a group of one rank moves nothing"
@@ -327,13 +326,14 @@ def _why_not(size: int) -> str | None:
 
 
 def _map_segment(store, rank: int, size: int) -> "seg.Segment | None":
+    slot_bytes = settings.shm_slot_bytes()
     if rank == 0:
         seg.sweep_stale()
         path = os.path.join(seg.SHM_DIR, f"{seg.PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
         try:
-            segment = seg.Segment(path, 0, size, SLOT_BYTES, create=True)
+            segment = seg.Segment(path, 0, size, slot_bytes, create=True)
         except OSError as exc:
-            warnings.warn(f"tpshm: could not make a {size * SLOT_BYTES} B segment in {seg.SHM_DIR} ({exc}); "
+            warnings.warn(f"tpshm: could not make a {size * slot_bytes} B segment in {seg.SHM_DIR} ({exc}); "
                           f"this group runs over gloo", RuntimeWarning)
             store.set("tpshm/path", "")
             return None
@@ -343,7 +343,7 @@ def _map_segment(store, rank: int, size: int) -> "seg.Segment | None":
     if not path:
         return None
     try:
-        return seg.Segment(path, rank, size, SLOT_BYTES, create=False)
+        return seg.Segment(path, rank, size, slot_bytes, create=False)
     except OSError as exc:
         warnings.warn(f"tpshm: rank {rank} could not map {path} ({exc}); this group runs over gloo", RuntimeWarning)
         return None
