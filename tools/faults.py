@@ -1,31 +1,45 @@
-"""`make faults`: the fault-injection catalogue, run in one go, with totals by class.
+"""`make faults`: the fault-injection catalogue, run in one go, each case judged by what a user sees.
 
-Three classes, each case judged by what a user would see:
+Every case is a thing a user can do wrong, or a thing that can go wrong under them, with what
+tensorpar promises for it:
 
-- **bad input**: a command line the parent must refuse before any rank starts: exit code 2, one
-  line on stderr holding the expected words, nothing on stdout (the cases of
-  tests/test_cli_jobs.py and a few more for `plan` and `bench`);
-- **fault**: something going wrong inside a launch (a rank raising, a rank SIGKILLed, two ranks
-  in different collectives, a rank stuck outside any collective, the deadline passing, the
-  launcher SIGKILLed or interrupted): the launch must end with the named error naming the right
-  rank or calls, within the stated seconds;
-- **leak**: what is left: after every fault, new entries in /dev/shm and new rendezvous folders
-  (a case that leaves one fails); after all cases, processes this one started (directly or not)
-  still alive 10 s later.
+- **bad input** (a command line or an API call): refused before any rank starts or any step is
+  taken — a CLI exits 2 with one line on stderr holding the expected words and nothing on
+  stdout; an API call raises ``ValueError`` (or the named error) whose message is one line
+  holding them;
+- **fault** (a rank raising, SIGKILLed, stopped; ranks in different collectives; a deadline):
+  the launch ends with the named error naming the right rank or calls, within the stated seconds;
+- **security** (a crafted checkpoint): refused before anything is read from it or written next
+  to it, and nothing outside its folder touched;
+- **valid input**: accepted (exit 0 / no exception).
 
-    python tools/faults.py          # prints one line per case, then the totals; exit 1 on any miss
+Each case ends in one outcome: ``clean`` (as promised), ``traceback`` (an unexpected exception
+or a multi-line error), ``silent`` (accepted, or no error, where one was due), ``unclear`` (the
+right exit code, the wrong words), ``refused`` (valid input refused), ``hang`` (past its bound:
+the case is killed) or ``leak`` (it left a /dev/shm entry, a rendezvous folder or a process).
 
-Not part of `make test` (about a minute on 2 cores); the same cases run as separate tests there.
+Cases run in a child process that streams one JSON line per case; the parent holds each case to
+its bound, kills the child's process group on a hang and starts a new child for the cases left.
+
+    python tools/faults.py                        # every case, then the totals; exit 1 on any miss
+    python tools/faults.py --write docs/faults.md # and the table with its totals, for the docs
+    python tools/faults.py launch                 # the cases whose name contains "launch"
+
+Not part of `make test` (a few minutes on 2 cores); the same cases run as tests there.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,12 +47,32 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+OUTCOMES = ("clean", "traceback", "silent", "unclear", "refused", "hang", "leak")
+
+
+@dataclass(frozen=True)
+class Case:
+    cls: str  # bad input | fault | security | valid input
+    name: str
+    kind: str  # cli | api | launch
+    spec: tuple  # cli: (argv, words; None: must succeed); api: (module:function, args); launch: (name, args)
+    bound_s: float = 60.0
+
+
+# ---- the catalogue ------------------------------------------------------------------------------
+
+# (module, list name): lists of (argv, expected words) the tests also run; "{name}" in an argument
+# is a fixture folder (see _fixtures)
+CLI_LISTS = [
+    ("tests.test_cli_jobs", "VERIFY_ERRORS"),
+    ("tests.test_cli_jobs", "RUN_ERRORS"),
+]
 MORE_BAD_INPUTS = [
     (["plan", "--model", "llama-2-7b", "--tp", "0"], "tp (0) must be a positive integer"),
     (["plan", "--model", "no-such-model"], "no-such-model"),
     (["plan", "--model", "llama-2-7b", "--pp", "0"], "pp (0) must be a positive integer"),
     (["plan", "--model", "llama-2-7b", "--search"], "--devices"),
-    (["bench", "--suite", "nope"], "--suite 'nope': unknown ['nope']; valid: mlp, models"),
+    (["bench", "--suite", "nope"], "--suite 'nope': unknown ['nope']; valid:"),
     (["bench", "--repeats", "1"], "--repeats 1: need at least 3 rounds"),
     (["run", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
     (["verify", "--model", "{llama}", "--tp", ""], "--tp needs at least one size"),
@@ -47,134 +81,146 @@ MORE_BAD_INPUTS = [
 ]
 
 
-def bad_inputs() -> list[tuple[str, bool, str]]:
-    from tensorpar.models.testing import make_tiny_checkpoint
-    from tests._cli_batch import run_all
-    from tests.test_cli_jobs import RUN_ERRORS, VERIFY_ERRORS, _broken_checkpoints
+def catalogue() -> list[Case]:
+    cases = []
+    for module, name in CLI_LISTS:
+        for argv, words in getattr(importlib.import_module(module), name):
+            cases.append(Case("bad input", " ".join(argv)[:80], "cli", (argv, words)))
+    for argv, words in MORE_BAD_INPUTS:
+        cases.append(Case("bad input", " ".join(argv)[:80], "cli", (argv, words)))
+    return cases + _launch_cases()
 
-    root = Path(tempfile.mkdtemp(prefix="tensorpar-faults-"))
-    dirs = {"llama": make_tiny_checkpoint(root / "llama", "llama")}
-    for name, config in (("unknown", {"model_type": "not_a_model"}), ("corrupt", {"model_type": "t5"}),
-                         ("broken", None)):
-        dirs[name] = root / name
-        dirs[name].mkdir()
-        (dirs[name] / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
-        (dirs[name] / "model.safetensors").write_bytes(b"")
-    dirs.update(_broken_checkpoints(dirs["llama"], root))
-    cases = VERIFY_ERRORS + RUN_ERRORS + MORE_BAD_INPUTS
+
+def _launch_cases() -> list[Case]:
+    """Faults inside a launch (run by :func:`launch_fault` in the child)."""
     out = []
-    for (args, want), res in zip(cases, run_all([[a.format(**dirs) for a in args] for args, _ in cases])):
-        lines = res["stderr"].strip().splitlines()
-        clean = res["rc"] == 2 and not res["stdout"] and len(lines) == 1 and want in lines[0]
-        out.append((" ".join(args)[:70], clean, f"rc {res['rc']}: {res['stderr'].strip()[:150]}"))
+    for world, bad, how in ((2, 1, "raise"), (4, 2, "raise"), (2, 0, "kill"), (4, 3, "kill")):
+        verb = "raises" if how == "raise" else "is SIGKILLed"
+        out.append(Case("fault", f"rank {bad} of {world} {verb}", "launch",
+                        ("pid_file", world, bad, how), 30 if world == 2 else 45))
+    for name in ("dying", "raising_peer", "mismatch_op", "mismatch_extra", "stuck", "deadline", "torchrun_env",
+                 "drifting_replicas", "launcher_killed", "launcher_interrupted"):
+        out.append(Case("fault", LAUNCH_FAULTS[name][0], "launch", (name,), LAUNCH_FAULTS[name][1]))
     return out
 
 
-def _launch_case(worker, world, *args, expect, words, bound_s, **kw):
+# name: (description, bound in seconds)
+LAUNCH_FAULTS = {
+    "dying": ("a rank dies, its peers lose the connection", 30),
+    "raising_peer": ("a rank raises while its peer waits in a collective", 30),
+    "mismatch_op": ("two ranks in different collectives (all_reduce / all_gather)", 20),
+    "mismatch_extra": ("one rank issues a collective the other does not", 20),
+    "stuck": ("a rank stuck outside any collective (4 s collective timeout)", 25),
+    "deadline": ("the deadline passes (6 s)", 25),
+    "torchrun_env": ("leftover torchrun variables (another world size)", 5),
+    "drifting_replicas": ("replicas drift (optimizer), ranks fed different batches", 60),
+    "launcher_killed": ("the launcher is SIGKILLed", 60),
+    "launcher_interrupted": ("the launcher is sent Ctrl-C", 60),
+}
+
+
+# ---- running one case (in the child) ------------------------------------------------------------
+
+def _one_line(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def judge_cli(res: dict, words: str, expect_ok: bool = False) -> tuple[str, str]:
+    lines = _one_line(res["stderr"])
+    detail = f"rc {res['rc']}: {res['stderr'].strip()[:160]}"
+    if expect_ok:
+        return ("clean" if res["rc"] == 0 else "refused"), detail
+    if "Traceback" in res["stderr"] or res["rc"] not in (0, 2):
+        return "traceback", detail
+    if res["rc"] == 0:
+        return "silent", detail
+    if len(lines) != 1 or res["stdout"]:
+        return "traceback", detail
+    return ("clean" if words in lines[0] else "unclear"), detail
+
+
+def judge_exception(exc: BaseException | None, expect: type, words: list[str]) -> tuple[str, str]:
+    if exc is None:
+        return "silent", "no error"
+    text = str(exc)
+    detail = f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
+    if not isinstance(exc, expect):
+        return "traceback", detail
+    if len(_one_line(text.split("\n--- traceback on rank")[0])) != 1:
+        return "traceback", detail
+    return ("clean" if all(w in text for w in words) else "unclear"), detail
+
+
+def run_cli(argv: list[str], words: str, dirs: dict) -> tuple[str, str]:
+    from tests._cli_batch import run_all
+
+    res = run_all([[a.format(**dirs) for a in argv]])[0]
+    return judge_cli(res, words, expect_ok=words is None)
+
+
+def _launch_case(worker, world, *args, expect, words, bound_s, **kw) -> tuple[str, str]:
     from tensorpar import dist
 
     t0 = time.monotonic()
     try:
         dist.launch(worker, world, *args, **kw)
-        return False, "the launch returned normally"
-    except Exception as exc:  # noqa: BLE001 - judged below
-        took = time.monotonic() - t0
-        msg = f"{type(exc).__name__} after {took:.1f}s: {str(exc).splitlines()[0][:160]}"
-        ok = isinstance(exc, expect) and all(w in str(exc) for w in words) and took < bound_s
-        return ok, msg
-
-
-def _subprocess_case(directory: Path, how: str, bound_s: float):
-    """A launcher in its own process, SIGKILLed or sent Ctrl-C once its ranks run."""
-    script = directory / "launcher.py"
-    script.write_text(
-        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-        "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
-        "if __name__ == '__main__':\n"
-        "    try:\n"
-        f"        dist.launch(W.sleepy_worker_with_pid, 2, {str(directory)!r})\n"
-        "    except KeyboardInterrupt:\n        print('interrupted', file=sys.stderr)\n")
-    with open(directory / "stderr", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script)], stderr=err, start_new_session=True)
-        t_end = time.monotonic() + 60
-        while not all((directory / f"rank{r}.pid").exists() for r in range(2)) and time.monotonic() < t_end:
-            time.sleep(0.2)
-        time.sleep(0.5)
-        t0 = time.monotonic()
-        if how == "kill":
-            proc.kill()
-        else:
-            os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=120)
-    pids = [int(f.read_text()) for f in directory.glob("rank*.pid")]
-    while any(_alive(p) for p in pids) and time.monotonic() - t0 < bound_s:
-        time.sleep(0.2)
+        exc = None
+    except Exception as e:  # noqa: BLE001 - judged below
+        exc = e
     took = time.monotonic() - t0
-    text = (directory / "stderr").read_text()
-    gone = not any(_alive(p) for p in pids)
-    if how == "kill":
-        ok = gone and "leaked" not in text
-    else:
-        ok = gone and text.strip().splitlines()[-1:] == ["interrupted"] and "Traceback" not in text
-    return ok, f"{'all gone' if gone else 'LEFT RUNNING'} {took:.1f}s after; stderr: {text.strip()[-120:]!r}"
+    outcome, detail = judge_exception(exc, expect, words)
+    if outcome == "clean" and took >= bound_s:
+        outcome = "hang"
+    return outcome, f"after {took:.1f}s: {detail}"
 
 
-def faults() -> list[tuple[str, bool, str]]:
+def launch_fault(name, *args) -> tuple[str, str]:
     from tensorpar import dist
     from tests import _dist_workers as W
 
     os.environ["TENSORPAR_CHECK_COLLECTIVES"] = "0"  # what a user's launch does by default
-    out = []
-    for world, bad, how in ((2, 1, "raise"), (4, 2, "raise"), (2, 0, "kill"), (4, 3, "kill")):
+    if name == "pid_file":
+        world, bad, how = args
         with tempfile.TemporaryDirectory() as d:
-            expect_words = [f"rank {bad} failed", "boom on purpose" if how == "raise" else "SIGKILL"]
-            ok, msg = _launch_case(W.pid_file_worker, world, d, bad, how, expect=dist.RankFailedError,
-                                   words=expect_words, bound_s=30 if world == 2 else 45, timeout=300)
-            out.append(_with_leaks((f"rank {bad} of {world} {'raises' if how == 'raise' else 'is SIGKILLed'}", ok, msg)))
-    cases = [
-        ("a rank dies, its peers lose the connection", W.dying_worker, 3, (1,),
-         dict(timeout=30, deadline=60), dist.RankFailedError, ["rank 1 failed: RankDied"], 30),
-        ("a rank raises while its peer waits in a collective", W.raising_peer_worker, 2, (),
-         dict(deadline=60), dist.RankFailedError, ["rank 1 failed: ValueError"], 30),
-        ("two ranks in different collectives (all_reduce / all_gather)", W.mismatched_worker, 2, ("op",),
-         dict(timeout=60, deadline=120), dist.MismatchedCollectivesError,
-         ["rank 0 in all_reduce #2", "rank 1 in all_gather #2"], 20),
-        ("one rank issues a collective the other does not", W.mismatched_worker, 2, ("extra",),
-         dict(timeout=60, deadline=120), dist.MismatchedCollectivesError,
-         ["rank 0 in all_gather #2", "rank 1 in all_reduce #2"], 20),
-        ("a rank stuck outside any collective (4 s collective timeout)", W.stuck_rank_worker, 2, (),
-         dict(timeout=4, deadline=60), dist.RankFailedError, ["rank 1 not in a collective"], 25),
-        ("the deadline passes (6 s)", W.stuck_rank_worker, 2, (),
-         dict(timeout=60, deadline=6), dist.LaunchTimeoutError, ["rank 1 not in a collective"], 25),
-    ]
-    for name, worker, world, args, kw, expect, words, bound in cases:
-        ok, msg = _launch_case(worker, world, *args, expect=expect, words=words, bound_s=bound, **kw)
-        out.append(_with_leaks((name, ok, msg)))
-    out.append(_with_leaks(_leftover_torchrun_env()))
-    out.append(_with_leaks(_drifting_replicas()))
-    for how in ("kill", "interrupt"):
-        with tempfile.TemporaryDirectory() as d:
-            ok, msg = _subprocess_case(Path(d), how, bound_s=30)
-            out.append(_with_leaks(("the launcher is " + ("SIGKILLed" if how == "kill" else "sent Ctrl-C"), ok, msg)))
-    return out
+            words = [f"rank {bad} failed", "boom on purpose" if how == "raise" else "SIGKILL"]
+            return _launch_case(W.pid_file_worker, world, d, bad, how, expect=dist.RankFailedError, words=words,
+                                bound_s=30 if world == 2 else 45, timeout=300)
+    table = {
+        "dying": (W.dying_worker, 3, (1,), dict(timeout=30, deadline=60), dist.RankFailedError,
+                  ["rank 1 failed: RankDied"]),
+        "raising_peer": (W.raising_peer_worker, 2, (), dict(deadline=60), dist.RankFailedError,
+                         ["rank 1 failed: ValueError"]),
+        "mismatch_op": (W.mismatched_worker, 2, ("op",), dict(timeout=60, deadline=120),
+                        dist.MismatchedCollectivesError, ["rank 0 in all_reduce #2", "rank 1 in all_gather #2"]),
+        "mismatch_extra": (W.mismatched_worker, 2, ("extra",), dict(timeout=60, deadline=120),
+                           dist.MismatchedCollectivesError, ["rank 0 in all_gather #2", "rank 1 in all_reduce #2"]),
+        "stuck": (W.stuck_rank_worker, 2, (), dict(timeout=4, deadline=60), dist.RankFailedError,
+                  ["rank 1 not in a collective"]),
+        "deadline": (W.stuck_rank_worker, 2, (), dict(timeout=60, deadline=6), dist.LaunchTimeoutError,
+                     ["rank 1 not in a collective"]),
+    }
+    if name in table:
+        worker, world, wargs, kw, expect, words = table[name]
+        return _launch_case(worker, world, *wargs, expect=expect, words=words, bound_s=LAUNCH_FAULTS[name][1], **kw)
+    return {"torchrun_env": _leftover_torchrun_env, "drifting_replicas": _drifting_replicas,
+            "launcher_killed": lambda: _launcher_case("kill"),
+            "launcher_interrupted": lambda: _launcher_case("interrupt")}[name]()
 
 
-def _leftover_torchrun_env():
+def _leftover_torchrun_env() -> tuple[str, str]:
     """RANK, WORLD_SIZE and MASTER_* left from another job, for another world size: refused at once."""
     from tests import _dist_workers as W
 
     env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        ok, msg = _launch_case(W.pid_worker, 2, expect=ValueError, words=["unset RANK WORLD_SIZE"], bound_s=2)
+        return _launch_case(W.pid_worker, 2, expect=ValueError, words=["unset RANK WORLD_SIZE"], bound_s=2)
     finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    return "leftover torchrun variables (another world size)", ok, msg
+        for k in env:
+            os.environ.pop(k)
 
 
-def _drifting_replicas():
+def _drifting_replicas() -> tuple[str, str]:
     """One rank's optimizer with another learning rate, and ranks fed different batches, in
     train_step(audit=True): both named, with the ranks."""
     from tensorpar import dist
@@ -183,28 +229,165 @@ def _drifting_replicas():
     t0 = time.monotonic()
     res = dist.launch(A.training_audit_worker, 2, deadline=120)[0]
     took = time.monotonic() - t0
-    ok = (res["clean"] and "ranks [1]" in (res["lr"] or "") and "input_ids differs" in (res["batch"] or "")
-          and took < 60)
-    return "replicas drift (optimizer), ranks fed different batches", ok, f"after {took:.1f}s: {str(res['lr'])[:120]}"
+    named = res["clean"] and "ranks [1]" in (res["lr"] or "") and "input_ids differs" in (res["batch"] or "")
+    outcome = "clean" if named else ("silent" if res["lr"] is None or res["batch"] is None else "unclear")
+    return outcome, f"after {took:.1f}s: {str(res['lr'])[:120]}"
+
+
+def _launcher_case(how: str) -> tuple[str, str]:
+    """A launcher in its own process, SIGKILLed or sent Ctrl-C once its ranks run: every rank
+    gone within 30 s, and (Ctrl-C) one line saying so."""
+    with tempfile.TemporaryDirectory() as d:
+        directory = Path(d)
+        script = directory / "launcher.py"
+        script.write_text(
+            f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+            "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
+            "if __name__ == '__main__':\n"
+            "    try:\n"
+            f"        dist.launch(W.sleepy_worker_with_pid, 2, {str(directory)!r})\n"
+            "    except KeyboardInterrupt:\n        print('interrupted', file=sys.stderr)\n")
+        with open(directory / "stderr", "w") as err:
+            proc = subprocess.Popen([sys.executable, str(script)], stderr=err, start_new_session=True)
+            t_end = time.monotonic() + 60
+            while not all((directory / f"rank{r}.pid").exists() for r in range(2)) and time.monotonic() < t_end:
+                time.sleep(0.2)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            proc.kill() if how == "kill" else os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=120)
+        pids = [int(f.read_text()) for f in directory.glob("rank*.pid")]
+        while any(_alive(p) for p in pids) and time.monotonic() - t0 < 30:
+            time.sleep(0.2)
+        took, text = time.monotonic() - t0, (directory / "stderr").read_text()
+    gone = not any(_alive(p) for p in pids)
+    detail = f"{'all gone' if gone else 'LEFT RUNNING'} {took:.1f}s after; stderr: {text.strip()[-120:]!r}"
+    if not gone:
+        return "hang", detail
+    if how == "kill":
+        return ("clean" if "leaked" not in text else "leak"), detail
+    if "Traceback" in text:
+        return "traceback", detail
+    return ("clean" if text.strip().splitlines()[-1:] == ["interrupted"] else "unclear"), detail
+
+
+def run_api(target: str, args: list) -> tuple[str, str]:
+    """``module:function(*args)`` returns ``(outcome, detail)`` itself (an API case judges its own
+    call with :func:`judge_exception`)."""
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)(*args)
+
+
+def child(indices: list[int], fixtures: str) -> None:
+    """Run the cases ``indices``, one JSON line each (``start`` before, the outcome after)."""
+    cases = catalogue()
+    dirs = _fixture_dirs(Path(fixtures))
+    for i in indices:
+        case = cases[i]
+        print(json.dumps({"start": i}), flush=True)
+        try:
+            if case.kind == "cli":
+                outcome, detail = run_cli(*case.spec, dirs)
+            elif case.kind == "launch":
+                outcome, detail = launch_fault(*case.spec)
+            else:
+                outcome, detail = run_api(*case.spec)
+        except Exception as exc:  # noqa: BLE001 - a case that raises where it should judge is a traceback
+            outcome, detail = "traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
+        print(json.dumps({"done": i, "outcome": outcome, "detail": detail}), flush=True)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+def make_fixtures(root: Path) -> None:
+    """The folders the command lines name (``{llama}``, ``{truncated}``, ...), made once."""
+    from tensorpar.models.testing import make_tiny_checkpoint
+    from tests.test_cli_jobs import _broken_checkpoints
+
+    llama = make_tiny_checkpoint(root / "llama", "llama")
+    for name, config in (("unknown", {"model_type": "not_a_model"}), ("corrupt", {"model_type": "t5"}),
+                         ("broken", None)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
+        (root / name / "model.safetensors").write_bytes(b"")
+    broken = root / "broken-copies"
+    broken.mkdir()
+    _broken_checkpoints(llama, broken)
+
+
+def _fixture_dirs(root: Path) -> dict:
+    dirs = {p.name: str(p) for p in root.iterdir() if p.is_dir() and p.name != "broken-copies"}
+    dirs.update({p.name: str(p) for p in (root / "broken-copies").iterdir() if p.is_dir()})
+    return dirs
+
+
+# ---- the parent ---------------------------------------------------------------------------------
+
+def run_cases(cases: list[Case], indices: list[int], fixtures: Path) -> dict:
+    """``{index: (outcome, detail)}``: the cases run in children, each held to its bound."""
+    results, left = {}, list(indices)
+    while left:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", ",".join(map(str, left)), str(fixtures)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                start_new_session=True, cwd=ROOT)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        current, started = None, time.monotonic()
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                msg = json.loads(line)
+                if "start" in msg:
+                    current, started = msg["start"], time.monotonic()
+                    _SEEN.update(_leftovers())
+                    continue
+                results[msg["done"]] = _with_leaks((msg["outcome"], msg["detail"]))
+                _print(cases[msg["done"]], *results[msg["done"]])
+                left.remove(msg["done"])
+                current = None
+            elif current is not None and time.monotonic() - started > cases[current].bound_s + 30:
+                os.killpg(proc.pid, signal.SIGKILL)
+                results[current] = ("hang", f"still running after {cases[current].bound_s + 30:.0f} s: killed")
+                _print(cases[current], *results[current])
+                left.remove(current)
+                current = None
+                break
+        proc.wait()
+        if current is not None:  # the child died in a case
+            results[current] = ("traceback", f"the case ended its process (exit {proc.returncode})")
+            _print(cases[current], *results[current])
+            left.remove(current)
+    return results
+
+
+def _print(case: Case, outcome: str, detail: str) -> None:
+    mark = "ok  " if outcome == "clean" else "MISS"
+    print(f"{mark} {outcome:9} {case.cls:11} {case.name:72} {detail}", flush=True)
 
 
 _SEEN: dict = {}
 
 
 def _with_leaks(row):
-    """The case's row, failed if it left a rendezvous folder or a /dev/shm entry behind (waiting up
-    to 10 s: a killed launcher's reaper removes its folder a moment after)."""
-    name, ok, msg = row
+    """The case's outcome, ``leak`` if it left a rendezvous folder or a /dev/shm entry behind
+    (waiting up to 10 s: a killed launcher's reaper removes its folder a moment after)."""
+    outcome, detail = row
     t0 = time.monotonic()
     while True:
         now = _leftovers()
-        new = {k: now[k] - _SEEN[k] for k in ("shm", "rendezvous")}
+        new = {k: now[k] - _SEEN.get(k, set()) for k in ("shm", "rendezvous")}
         if not any(new.values()) or time.monotonic() - t0 > 10:
             break
         time.sleep(0.2)
     if any(new.values()):
-        return name, False, f"{msg}; LEFT: {sorted(new['shm'] | new['rendezvous'])[:4]}"
-    return name, ok, msg
+        return "leak", f"{detail}; LEFT: {sorted(new['shm'] | new['rendezvous'])[:4]}"
+    return outcome, detail
 
 
 def _alive(pid: int) -> bool:
@@ -215,35 +398,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _descendants() -> set:
-    """Pids whose parent chain leads to this process, or orphans a case left (parent 1, started
-    after this script) — what a case may leave behind."""
-    me, found = os.getpid(), set()
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().split(")")[-1].split()[1])
-            except OSError:
-                continue
-    for pid in parents:
-        p, seen = pid, 0
-        while p in parents and p not in (0, 1) and seen < 64:
-            if parents[p] == me:
-                found.add(pid)
-                break
-            p, seen = parents[p], seen + 1
-    return found
-
-
 def _leftovers() -> dict:
     rdzv = {p.name for p in Path(tempfile.gettempdir()).glob("tensorpar-rdzv-*")}
     shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    procs = {p for p in (set(os.listdir("/proc")) - _BASE_PIDS) if p.isdigit() and _alive(int(p))
-             and _is_ours(int(p))}
-    kids = {str(p) for p in _descendants() if "resource_tracker" not in _cmdline(p)}
-    return {"processes": procs | kids, "shm": shm, "rendezvous": rdzv}
+    procs = {p for p in os.listdir("/proc") if p.isdigit() and _alive(int(p)) and _is_ours(int(p))}
+    return {"processes": procs, "shm": shm, "rendezvous": rdzv}
 
 
 def _cmdline(pid) -> str:
@@ -255,41 +414,56 @@ def _cmdline(pid) -> str:
 
 def _is_ours(pid: int) -> bool:
     """A sleep or a Python started from this checkout (what the cases run), orphaned or not;
-    not multiprocessing's resource tracker, which lives as long as this process by design."""
+    not multiprocessing's resource tracker, which lives as long as its process by design."""
     cmd = _cmdline(pid)
-    if "resource_tracker" in cmd:
+    if "resource_tracker" in cmd or pid == os.getpid():
         return False
-    return cmd.startswith("sleep 300") or "multiprocessing.spawn" in cmd or "tensorpar" in cmd
+    return cmd.startswith("sleep 300") or "multiprocessing.spawn" in cmd or "tensorpar" in cmd or "faults.py" in cmd
 
 
-_BASE_PIDS: set = set()
+def totals(cases: list[Case], results: dict) -> dict:
+    out = {o: 0 for o in OUTCOMES}
+    for i in results:
+        out[results[i][0]] += 1
+    return out
 
 
-def main() -> int:
-    global _BASE_PIDS
-    _BASE_PIDS = set(os.listdir("/proc"))
+def write_doc(path: Path, cases: list[Case], results: dict, count: dict, leaks: list) -> None:
+    rows = "\n".join(f"| {cases[i].cls} | {cases[i].name.replace('|', '/')} | {results[i][0]} |" for i in sorted(results))
+    line = ", ".join(f"{count[o]} {o}" for o in OUTCOMES)
+    path.write_text(
+        "# Fault-injection catalogue\n\n"
+        "Generated by `make faults` (`tools/faults.py --write docs/faults.md`); do not edit by hand.\n"
+        "Each case is judged by what a user sees (see the script's docstring for the outcomes).\n\n"
+        f"**{len(results)} cases: {line}; leaks after all cases: {len(leaks)}.**\n\n"
+        "| class | case | outcome |\n|---|---|---|\n" + rows + "\n")
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--child"]:
+        child([int(i) for i in argv[1].split(",")], argv[2])
+        return 0
+    write = Path(argv[argv.index("--write") + 1]) if "--write" in argv else None
+    names = [a for i, a in enumerate(argv) if not a.startswith("--") and (i == 0 or argv[i - 1] != "--write")]
+    cases = catalogue()
+    indices = [i for i, c in enumerate(cases) if not names or any(n in c.name for n in names)]
     before = _leftovers()
     _SEEN.update(before)
-    rows, leaks = [], []
-    for cls, run in (("bad input", bad_inputs), ("fault", faults)):
-        for name, ok, msg in run():
-            rows.append((cls, name, ok, msg))
-            print(f"{'ok  ' if ok else 'MISS'} {cls:9} {name:72} {msg}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tensorpar-faults-") as tmp:
+        make_fixtures(Path(tmp))
+        results = run_cases(cases, indices, Path(tmp))
     time.sleep(10)  # what a case left: still there 10 s after the last one ended
     after = _leftovers()
-    for kind in ("processes", "shm", "rendezvous"):
-        new = sorted(after[kind] - before[kind] - ({str(os.getpid())} if kind == "processes" else set()))
-        leaks += [f"{kind}: {n}" + (f" ({_cmdline(n)[:80]})" if kind == "processes" else "") for n in new]
-    totals = {cls: (sum(1 for r in rows if r[0] == cls), sum(1 for r in rows if r[0] == cls and r[2]))
-              for cls in ("bad input", "fault")}
-    print(f"\nbad inputs tried {totals['bad input'][0]}, clean one-line errors (exit 2, nothing on stdout) "
-          f"{totals['bad input'][1]}")
-    print(f"faults injected {totals['fault'][0]}, named right within their bound {totals['fault'][1]}, "
-          f"survived (missed) {totals['fault'][0] - totals['fault'][1]}")
+    leaks = [f"{kind}: {n}" + (f" ({_cmdline(n)[:80]})" if kind == "processes" else "")
+             for kind in ("processes", "shm", "rendezvous") for n in sorted(after[kind] - before[kind])]
+    count = totals(cases, results)
+    print(f"\n{len(results)} cases: " + ", ".join(f"{count[o]} {o}" for o in OUTCOMES))
     print(f"leaks after all cases: {len(leaks)}" + (f" ({'; '.join(leaks[:8])})" if leaks else ""))
-    missed = any(not r[2] for r in rows)
+    if write is not None:
+        write_doc(write, cases, results, count, leaks)
+    missed = count["clean"] != len(results)
     return 1 if missed or leaks else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
