@@ -3,6 +3,7 @@ import os
 import resource
 import signal
 import time
+import zlib
 
 import torch
 import torch.distributed as tdist
@@ -220,4 +221,232 @@ def inference_mode_worker():
         y = torch.full((3,), float(rank + 1), dtype=dtype, requires_grad=False)
         dist.all_reduce(y)
         out.append(y.tolist())
+    return out
+
+
+# ---- every ReduceOp, every layout, against gloo (test_every_op_and_layout_...) --------------------
+
+R_ = tdist.ReduceOp
+FLOAT_OPS = (R_.SUM, R_.PRODUCT, R_.MIN, R_.MAX, R_.AVG)
+INT_OPS = (R_.SUM, R_.PRODUCT, R_.MIN, R_.MAX, R_.BAND, R_.BOR, R_.BXOR)
+MATRIX_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.int64)
+# every one but "contiguous" is a non-contiguous view or a view with a storage offset inside a
+# larger buffer whose other elements must stay as they were
+LAYOUTS = ("contiguous", "strided", "transposed", "offset", "columns")
+_FILL = 7
+_IN_ORDER = {R_.SUM: torch.add, R_.AVG: torch.add, R_.PRODUCT: torch.mul, R_.MIN: torch.minimum,
+             R_.MAX: torch.maximum, R_.BAND: torch.bitwise_and, R_.BOR: torch.bitwise_or,
+             R_.BXOR: torch.bitwise_xor}
+
+
+def _values(key, rank, shape, dtype):
+    """Rank ``rank``'s input of case ``key``: every rank can make every rank's, so the reference
+    needs no communication."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(key).encode()) * 8 + rank)  # hash() differs per process
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+
+def _laid_out(values, layout):
+    """``(view, buffer)``: a view equal to ``values`` (R, C) laid out as ``layout`` in ``buffer``,
+    whose other elements hold ``_FILL``."""
+    r, c = values.shape
+    full = lambda *shape: torch.full(shape, _FILL, dtype=values.dtype)  # noqa: E731
+    if layout == "contiguous":
+        buffer = values.clone()
+        return buffer, buffer
+    if layout == "transposed":  # no other elements: the view is the whole buffer, transposed
+        buffer = values.t().contiguous()
+        return buffer.t(), buffer
+    if layout == "strided":
+        buffer = full(r, 2 * c)
+        view = buffer[:, ::2]
+    elif layout == "offset":  # contiguous, at a storage offset
+        buffer = full(r * c + 5)
+        view = buffer[3:3 + r * c].view(r, c)
+    else:  # "columns": rows with a stride longer than their length
+        buffer = full(r, c + 3)
+        view = buffer[:, 1:1 + c]
+    view.copy_(values)
+    return view, buffer
+
+
+def _reduced(parts, op):
+    """``op`` over ``parts`` in rank order, in their dtype (AVG: the sum divided by their count)."""
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out = _IN_ORDER[op](out, part)
+    return out / len(parts) if op == R_.AVG else out
+
+
+def _gamma(n, dtype):
+    """gamma_n = n u / (1 - n u): the relative error bound of n roundings (Higham, eq. 3.8)."""
+    u = _UNIT_ROUNDOFF[dtype]
+    return n * u / (1 - n * u)
+
+
+def _order_bound(parts, op):
+    """Elementwise bound on the difference of two results of ``op`` over ``parts`` computed in two
+    orders: each within gamma_{p-1} * sum|x_i| (SUM; / p for AVG) or * prod|x_i| (PRODUCT) of the
+    exact result (Higham, eqs. 4.4 and 3.10)."""
+    p, dtype = len(parts), parts[0].dtype
+    wide = [x.double().abs() for x in parts]
+    scale = torch.stack(wide).prod(0) if op == R_.PRODUCT else torch.stack(wide).sum(0) / (p if op == R_.AVG else 1)
+    return 2 * _gamma(p - 1, dtype) * scale
+
+
+class _Matrix:
+    """One group's checks; ``failures`` collects what differs, ``counts`` what was checked."""
+
+    def __init__(self, group, gloo, ranks, fallback):
+        self.group, self.gloo, self.ranks, self.fallback = group, gloo, ranks, fallback
+        self.p, self.me = len(ranks), ranks.index(tdist.get_rank())
+        self.name = f"{'gloo fallback' if fallback else 'shm'} group {ranks}"
+        self.failures, self.counts = [], {}
+
+    def _served(self, call, what):
+        """Run ``call``; over shared memory it must have taken rounds there (nothing went to gloo)."""
+        seg_ = None if self.fallback else self.group.segment
+        before = seg_.round if seg_ is not None else 0
+        call()
+        if seg_ is not None and seg_.round == before:
+            self.failures.append(f"{self.name} {what}: not served over shared memory")
+        self.counts[what.split()[0]] = self.counts.get(what.split()[0], 0) + 1
+
+    def check(self, what, got_buffer, want, layout, gloo_result=None, parts=None, op=None):
+        """The caller's buffer holds ``want`` in its view and ``_FILL`` elsewhere, bit for bit;
+        then against gloo's result on contiguous copies of the same inputs."""
+        want_buffer = _laid_out(want, layout)[1]
+        if not torch.equal(got_buffer, want_buffer):
+            self.failures.append(f"{self.name} {what}: differs from the rank-order result or wrote outside its view")
+        if gloo_result is None:
+            return
+        dtype = want.dtype
+        exact = (self.fallback or self.p == 2 or not dtype.is_floating_point
+                 or op in (R_.MIN, R_.MAX, R_.BAND, R_.BOR, R_.BXOR))
+        if exact and not torch.equal(want, gloo_result):
+            self.failures.append(f"{self.name} {what}: differs from gloo's bits")
+        elif not exact and bool(((want.double() - gloo_result.double()).abs() > _order_bound(parts, op)).any()):
+            self.failures.append(f"{self.name} {what}: differs from gloo beyond the order of the operations")
+
+    def everyone(self, key, shape, dtype):
+        return [_values(key, r, shape, dtype) for r in range(self.p)]
+
+
+def _reductions(m: _Matrix, dtype, shape):
+    r, c = shape
+    for op in FLOAT_OPS if dtype.is_floating_point else INT_OPS:
+        parts = m.everyone(("ar", dtype, op), shape, dtype)
+        ref = parts[m.me].clone()
+        tdist.all_reduce(ref, op=op, group=m.gloo)
+        rows = m.everyone(("rs", dtype, op), (m.p * r, c), dtype)  # chunk j of dim 0 goes to rank j
+        rs_ref = torch.empty(shape, dtype=dtype)
+        tdist.reduce_scatter_single(rs_ref, rows[m.me].clone(), op=op, group=m.gloo)
+        mine = [chunk.clone() for chunk in rows[m.me].chunk(m.p)]
+        rsl_ref = torch.empty(shape, dtype=dtype)
+        tdist.reduce_scatter(rsl_ref, [x.clone() for x in mine], op=op, group=m.gloo)
+        own = [row.chunk(m.p)[m.me] for row in rows]
+        for layout in LAYOUTS:
+            name = f"{dtype} {op.name} {layout}"
+            x, buf = _laid_out(parts[m.me], layout)
+            m._served(lambda: tdist.all_reduce(x, op=op, group=m.group), f"all_reduce {name}")
+            m.check(f"all_reduce {name}", buf, _reduced(parts, op) if not m.fallback else ref, layout, ref, parts, op)
+            src = _laid_out(rows[m.me], layout)[0]
+            out, obuf = _laid_out(torch.zeros(shape, dtype=dtype), layout)
+            m._served(lambda: tdist.reduce_scatter_single(out, src, op=op, group=m.group),
+                      f"reduce_scatter {name}")
+            m.check(f"reduce_scatter {name}", obuf, _reduced(own, op) if not m.fallback else rs_ref,
+                    layout, rs_ref, own, op)
+            ins = [_laid_out(chunk, layout)[0] for chunk in mine]
+            out, obuf = _laid_out(torch.zeros(shape, dtype=dtype), layout)
+            m._served(lambda: tdist.reduce_scatter(out, ins, op=op, group=m.group), f"reduce_scatter_list {name}")
+            m.check(f"reduce_scatter (list) {name}", obuf, _reduced(own, op) if not m.fallback else rsl_ref,
+                    layout, rsl_ref, own, op)
+
+
+def _gathers(m: _Matrix, dtype, shape):
+    r, c = shape
+    parts = m.everyone(("ag", dtype), shape, dtype)
+    for layout in LAYOUTS + ("expanded",):  # an expanded view is an input, never an output, here
+        name = f"{dtype} {layout}"
+        inputs = [p[:1].expand(shape) for p in parts] if layout == "expanded" else parts
+        out_layout = "contiguous" if layout == "expanded" else layout
+        x = inputs[m.me] if layout == "expanded" else _laid_out(parts[m.me], layout)[0]
+        out, obuf = _laid_out(torch.zeros((m.p * r, c), dtype=dtype), out_layout)
+        m._served(lambda: tdist.all_gather_single(out, x, group=m.group), f"all_gather {name}")
+        m.check(f"all_gather {name}", obuf, torch.cat(inputs), out_layout)
+        outs = [_laid_out(torch.zeros(shape, dtype=dtype), out_layout) for _ in range(m.p)]
+        m._served(lambda: tdist.all_gather([o for o, _ in outs], x, group=m.group), f"all_gather_list {name}")
+        for j, (_, b) in enumerate(outs):
+            m.check(f"all_gather (list) {name} slot {j}", b, inputs[j], out_layout)
+        if layout == "expanded":
+            continue
+        for src in range(m.p):
+            y, ybuf = _laid_out(parts[m.me], layout)
+            m._served(lambda: tdist.broadcast(y, group_src=src, group=m.group), f"broadcast {name}")
+            m.check(f"broadcast {name} from {src}", ybuf, parts[src], layout)
+
+
+def _big(m: _Matrix):
+    """Past a slot (1 MiB per rank): a strided all-reduce and a reduce-scatter into a column slice
+    go through in pieces."""
+    shape = (600, 500)  # float32: 1.2 MB
+    parts = m.everyone(("big", "ar"), shape, torch.float32)
+    x, buf = _laid_out(parts[m.me], "strided")
+    m._served(lambda: tdist.all_reduce(x, op=R_.AVG, group=m.group), "all_reduce big")
+    ref = parts[m.me].clone()
+    tdist.all_reduce(ref, op=R_.AVG, group=m.gloo)
+    m.check("all_reduce float32 AVG strided 1.2 MB", buf, _reduced(parts, R_.AVG) if not m.fallback else ref,
+            "strided", ref, parts, R_.AVG)
+
+
+def ops_and_layouts_worker(world_groups):
+    """Every ReduceOp x dtype x layout through all_reduce, reduce_scatter (tensor and list),
+    all_gather (tensor and list) and broadcast, on the shared-memory groups and on groups of the
+    same backend without a segment (its gloo fallback), at 2 and 4 ranks; then the refusals."""
+    r = tdist.get_rank()
+    matrices = []
+    for ranks in world_groups:
+        shm_group, gloo_group = tdist.new_group(ranks), tdist.new_group(ranks, backend="gloo")
+        if r in ranks:
+            matrices.append(_Matrix(shm_group, gloo_group, ranks, False))
+        if len(ranks) == 2:  # what it hands to gloo does not depend on the group's size
+            os.environ["TENSORPAR_TRANSPORT"] = "gloo"  # read when a group is made: this one has no segment
+            fallback = tdist.new_group(ranks)
+            del os.environ["TENSORPAR_TRANSPORT"]
+            if r in ranks:
+                matrices.append(_Matrix(fallback, gloo_group, ranks, True))
+    for m in matrices:
+        if m.fallback != (shm.transport(m.group) == "gloo"):
+            m.failures.append(f"{m.name} runs over {shm.transport(m.group)}")
+        for dtype in MATRIX_DTYPES:
+            _reductions(m, dtype, (3, 5))
+            _gathers(m, dtype, (3, 5))
+        _big(m)
+    refusals = {m.name: _refusals(m) for m in matrices}
+    return [(m.name, m.failures, m.counts) for m in matrices], refusals
+
+
+def _refusals(m: _Matrix) -> list:
+    """What no backend here does exactly: ValueError on every rank before any round; the group
+    works after each."""
+    premul = tdist._make_nccl_premul_sum(2.0)
+    out = []
+    for call in (lambda: tdist.all_reduce(torch.ones(4, dtype=torch.float64), op=premul, group=m.group),
+                 lambda: tdist.all_reduce(torch.ones(4), op=R_.BAND, group=m.group),
+                 lambda: tdist.all_reduce(torch.ones(4, dtype=torch.int64), op=R_.AVG, group=m.group),
+                 lambda: tdist.reduce_scatter_single(torch.ones(2, dtype=torch.int64),
+                                                     torch.ones(2 * m.p, dtype=torch.int64), op=R_.AVG,
+                                                     group=m.group),
+                 lambda: tdist.all_reduce(torch.ones(1).expand(4), group=m.group),
+                 lambda: tdist.all_gather_single(torch.ones(1).expand(4 * m.p), torch.ones(4), group=m.group)):
+        try:
+            call()
+            message = "accepted"
+        except ValueError as exc:
+            message = str(exc)
+        x = torch.full((3,), float(m.me + 1))
+        tdist.all_reduce(x, group=m.group)
+        out.append((message, x.tolist() == [m.p * (m.p + 1) / 2] * 3))
     return out

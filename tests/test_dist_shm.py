@@ -1,4 +1,5 @@
 """The shared-memory transport (tensorpar.dist.shm): exact against gloo, safe, and quiet while waiting."""
+import functools
 import os
 import stat
 
@@ -116,3 +117,48 @@ def test_segments_are_unlinked_while_the_ranks_still_run():
 
 def test_collectives_serve_inside_and_outside_inference_mode():
     assert dist.launch(W.inference_mode_worker, 2, deadline=60) == [[[3.0] * 3] * 3] * 2
+
+
+@functools.lru_cache(maxsize=None)
+def matrix() -> list:
+    """One spawn of 4 ranks: the world (4) and the pairs [0, 1], [2, 3] (2)."""
+    return dist.launch(W.ops_and_layouts_worker, 4, [[0, 1, 2, 3], [0, 1], [2, 3]], backend="shm", deadline=600)
+
+
+def test_every_reduce_op_dtype_and_layout_equals_gloo_at_2_and_4_ranks():
+    """Every ReduceOp (SUM, PRODUCT, MIN, MAX, AVG on float64/float32/bfloat16; SUM, PRODUCT, MIN,
+    MAX, BAND, BOR, BXOR on int64) through all_reduce and reduce_scatter (tensor and list), and
+    all_gather (tensor and list) and broadcast, on contiguous tensors and on views that are not
+    (a strided slice, a transpose, a column slice; an expanded input), and on a view at a storage
+    offset: each result, written back into the caller's view with the rest of its buffer
+    untouched, equals the rank-order result bit for bit, and gloo's on contiguous copies of the
+    same inputs bit for bit wherever the order of the operations is the same (2 ranks; MIN, MAX,
+    the bitwise ops and integers at any size), otherwise within the bound of two orders
+    (2 gamma_{p-1} sum|x_i|, Higham). Over shared memory each call took its rounds there; the
+    same backend without a segment (its gloo fallback, on the pairs) gives gloo's bits, its buffers
+    untouched outside the view (gloo alone writes past a strided view: measured on torch 2.13)."""
+    for failures_by_group in (res for res, _ in matrix()):
+        for name, failures, counts in failures_by_group:
+            assert not failures, (name, len(failures), failures[:8])
+            assert counts["all_reduce"] >= 60 and counts["reduce_scatter"] >= 60, (name, counts)
+            assert counts["all_gather"] >= 24 and counts["broadcast"] >= 40, (name, counts)
+
+
+REFUSED = ("all_reduce with ReduceOp.PREMUL_SUM is not supported (gloo has none either); valid: SUM, PRODUCT, MAX, "
+           "MIN, AVG, BAND, BOR, BXOR",
+           "all_reduce with ReduceOp.BAND takes integer or bool tensors, got torch.float32",
+           "all_reduce with ReduceOp.AVG takes floating-point tensors (an integer mean would round), got torch.int64",
+           "reduce_scatter with ReduceOp.AVG takes floating-point tensors",
+           "all_reduce writes into a tensor of shape (4,) and strides (0,) whose elements share memory",
+           "all_gather writes into a tensor of shape")
+
+
+def test_what_no_backend_does_exactly_is_refused_before_any_round():
+    """PREMUL_SUM, a bitwise op on floats, AVG on integers, a result into an expanded view: a
+    ValueError naming the op or the layout on every rank, over shared memory and over its gloo
+    fallback alike, and the group still works after each (no rank was left in a round)."""
+    for _, refusals in matrix():
+        for name, cases in refusals.items():
+            for (message, works_after), want in zip(cases, REFUSED):
+                assert want in message, (name, message)
+                assert works_after, (name, want)

@@ -18,12 +18,26 @@ used for point-to-point sends and the ops below that shared memory does not serv
 :func:`transport` says which, per group. ``TENSORPAR_TRANSPORT=gloo`` (or ``launch(...,
 backend="gloo")``) turns shared memory off.
 
-Served over shared memory: all-reduce (sum, max, min, product), all-gather (tensor and list),
-reduce-scatter (tensor and list), broadcast, barrier. Exactness: every rank sums the slots in
-rank order ``((x_0 + x_1) + x_2) + ...`` in the tensor's dtype, so all ranks hold the same bits; at
-2 ranks that equals gloo's result bit for bit (addition commutes), at more it differs from
-gloo's ring only by summation order. Tensors larger than a slot (``TENSORPAR_SHM_SLOT_BYTES``,
-default 1 MiB per rank) go through in slot-sized pieces.
+Served over shared memory: all-reduce and reduce-scatter (tensor and list) with every
+``ReduceOp`` but ``PREMUL_SUM`` (SUM, PRODUCT, MIN, MAX, AVG; BAND, BOR, BXOR on integers and
+bool), all-gather (tensor and list), broadcast, barrier, on tensors of any layout: a
+non-contiguous one (a strided slice, a transpose, an expanded input) travels as a contiguous
+copy and the result is copied back into the caller's view. Refused with ``ValueError`` before
+any round, on every transport (gloo would refuse too, or write elsewhere): ``PREMUL_SUM``, AVG
+on integers, a bitwise op on floating point, MIN/MAX on complex, a result written into a tensor
+whose elements share memory (an expanded view). Exactness: every rank combines the slots in
+rank order ``((x_0 + x_1) + x_2) + ...`` in the tensor's dtype (AVG: that sum divided by the
+group size), so all ranks hold the same bits; at 2 ranks that equals gloo's result bit for bit
+(addition and multiplication commute), at more ranks too for MIN, MAX, the bitwise ops and
+integer SUM/PRODUCT (exact), while floating SUM, PRODUCT and AVG differ from gloo's ring only by
+the order of the operations. Tensors larger than a slot (``TENSORPAR_SHM_SLOT_BYTES``, default
+1 MiB per rank) go through in slot-sized pieces.
+
+What goes to gloo (a group across hosts, ``TENSORPAR_TRANSPORT=gloo``, several tensors per call,
+tensors off the CPU) goes there with contiguous tensors only: gloo reads and writes a tensor's
+storage from its data pointer as if it were contiguous, so on torch 2.13 an all-reduce,
+broadcast or list reduce-scatter of a strided view returns wrong values on some ranks and
+writes past the view into the rest of its buffer (measured; no error is raised).
 """
 from __future__ import annotations
 
@@ -42,9 +56,13 @@ from tensorpar.dist import flight, settings, shm_segment as seg
 from tensorpar.dist.ledger import active_ledger
 
 BACKEND = "tpshm"
-_REDUCE = {tdist.ReduceOp.SUM: torch.Tensor.add_, tdist.ReduceOp.PRODUCT: torch.Tensor.mul_,
-           tdist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
-           tdist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a)}
+_R = tdist.ReduceOp
+# AVG combines as SUM; the sum is then divided by the group size (as gloo does)
+_REDUCE = {_R.SUM: torch.Tensor.add_, _R.PRODUCT: torch.Tensor.mul_,
+           _R.MAX: lambda a, b: torch.maximum(a, b, out=a),
+           _R.MIN: lambda a, b: torch.minimum(a, b, out=a),
+           _R.AVG: torch.Tensor.add_, _R.BAND: torch.Tensor.bitwise_and_,
+           _R.BOR: torch.Tensor.bitwise_or_, _R.BXOR: torch.Tensor.bitwise_xor_}
 _KIND = {op: i for i, op in enumerate(_REDUCE)}  # compared across ranks with each round's signature
 _BY_NAME = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 # Everything else goes to the gloo group each ShmProcessGroup keeps.
@@ -99,59 +117,75 @@ class ShmProcessGroup(tdist.ProcessGroup):
 
     # ---- served over shared memory --------------------------------------------------------
     def allreduce(self, tensors, opts=None):
+        op = _op(opts)
+        _check_reduce("all_reduce", op, tensors)
+        _check_writable("all_reduce", tensors)
         for t in tensors:
             self._seen("all_reduce", t)
-        op = _op(opts)
-        if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or op not in _REDUCE:
-            return self._gloo.allreduce(tensors, opts) if opts is not None else self._gloo.allreduce(tensors)
+        if self.segment is None or len(tensors) != 1 or not _cpu(tensors):
+            return _via_gloo(self._gloo.allreduce, tensors, None, opts)
         _allreduce(self.segment, tensors[0], op)
         return _done(tensors)
 
     def all_gather_single(self, output, input, opts=None):
+        _check_writable("all_gather", [output])
         self._seen("all_gather", output)
-        if self.segment is None or not _cpu([output, input]) or not _contiguous([output, input]):
-            return self._gloo._allgather_base(output, input, *(() if opts is None else (opts,)))
-        all_gather_single(self.segment, output, input)
+        if self.segment is None or not _cpu([output, input]):
+            return _via_gloo(self._gloo._allgather_base, output, input, opts)
+        out = _staged(output)
+        all_gather_single(self.segment, out, input.contiguous())
+        _write_back(output, out)
         return _done([output])
 
     def allgather(self, output_lists, inputs, opts=None):
+        _check_writable("all_gather", [o for outs in output_lists for o in outs])
         self._seen("all_gather", inputs[0], shape=(self.size() * inputs[0].numel(),))
         if (self.segment is None or len(inputs) != 1 or not _cpu(inputs + output_lists[0])
-                or not _contiguous(inputs) or any(o.numel() != inputs[0].numel() or o.dtype != inputs[0].dtype
-                                                  for o in output_lists[0])):
-            return self._gloo.allgather(output_lists, inputs, *(() if opts is None else (opts,)))
-        outs = [o if o.is_contiguous() else torch.empty_like(o) for o in output_lists[0]]
-        _allgather(self.segment, _bytes(inputs[0]), [_bytes(o) for o in outs])
+                or not _alike(output_lists[0], inputs[0], self.size())):
+            return _via_gloo(self._gloo.allgather, output_lists, inputs, opts)
+        outs = [_staged(o) for o in output_lists[0]]
+        _allgather(self.segment, _bytes(inputs[0].contiguous()), [_bytes(o) for o in outs])
         for o, tmp in zip(output_lists[0], outs):
-            if tmp is not o:
-                o.copy_(tmp)
+            _write_back(o, tmp)
         return _done(output_lists)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        self._seen("reduce_scatter", input)
         op = _op(opts)
-        if self.segment is None or not _cpu([output, input]) or not _contiguous([output]) or op not in _REDUCE:
-            return self._gloo._reduce_scatter_base(output, input, *(() if opts is None else (opts,)))
+        _check_reduce("reduce_scatter", op, [input])
+        _check_writable("reduce_scatter", [output])
+        self._seen("reduce_scatter", input)
+        if self.segment is None or not _cpu([output, input]):
+            return _via_gloo(self._gloo._reduce_scatter_base, output, input, opts)
         _check_sizes("reduce_scatter", input, output, self.size())
-        _reduce_scatter(self.segment, input.reshape(self.size(), -1), output, op)
+        out = _staged(output)
+        _reduce_scatter(self.segment, input.reshape(self.size(), -1), out, op)
+        _write_back(output, out)
         return _done([output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        self._seen("reduce_scatter", outputs[0], shape=(self.size() * outputs[0].numel(),))
         op = _op(opts)
-        if (self.segment is None or len(outputs) != 1 or not _cpu(outputs + input_lists[0]) or op not in _REDUCE
-                or not _contiguous(outputs) or any(i.numel() != outputs[0].numel() or i.dtype != outputs[0].dtype
-                                                   for i in input_lists[0])):
-            return self._gloo.reduce_scatter(outputs, input_lists, *(() if opts is None else (opts,)))
+        _check_reduce("reduce_scatter", op, outputs)
+        _check_writable("reduce_scatter", outputs)
+        self._seen("reduce_scatter", outputs[0], shape=(self.size() * outputs[0].numel(),))
+        if (self.segment is None or len(outputs) != 1 or not _cpu(outputs + input_lists[0])
+                or not _alike(input_lists[0], outputs[0], self.size())):
+            return _via_gloo(self._gloo.reduce_scatter, outputs, input_lists, opts)
         stacked = torch.stack([i.reshape(-1) for i in input_lists[0]])  # (p, n)
-        _reduce_scatter(self.segment, stacked, outputs[0], op)
+        out = _staged(outputs[0])
+        _reduce_scatter(self.segment, stacked, out, op)
+        _write_back(outputs[0], out)
         return _done(outputs)
 
     def broadcast(self, tensors, opts=None):
-        self._seen("broadcast", tensors[0], src=opts.rootRank if opts is not None else 0)
-        if self.segment is None or len(tensors) != 1 or not _cpu(tensors) or not _contiguous(tensors):
-            return self._gloo.broadcast(tensors, *(() if opts is None else (opts,)))
-        _broadcast(self.segment, tensors[0], opts.rootRank if opts is not None else 0)
+        root = opts.rootRank if opts is not None else 0
+        if self.rank() != root:  # the root's tensor is only read
+            _check_writable("broadcast", tensors)
+        self._seen("broadcast", tensors[0], src=root)
+        if self.segment is None or len(tensors) != 1 or not _cpu(tensors):
+            return _via_gloo(self._gloo.broadcast, tensors, None, opts)
+        x = _staged(tensors[0])
+        _broadcast(self.segment, x, root)
+        _write_back(tensors[0], x)
         return _done(tensors)
 
     def barrier(self, opts=None):
@@ -182,8 +216,70 @@ def _check_sizes(what: str, big: torch.Tensor, small: torch.Tensor, p: int) -> N
                          f"{small.dtype} elements; the larger must hold {p} x the smaller, in the same dtype")
 
 
-def _contiguous(tensors) -> bool:
-    return all(t.is_contiguous() for t in tensors)
+def _check_reduce(what: str, op, tensors) -> None:
+    """Before any round, on every transport: the reductions no backend here does exactly, named."""
+    valid = ", ".join(o.name for o in _REDUCE)
+    if op not in _REDUCE:
+        raise ValueError(f"tpshm: {what} with ReduceOp.{op.name} is not supported (gloo has none either); "
+                         f"valid: {valid}")
+    dtype = tensors[0].dtype
+    exact = not (dtype.is_floating_point or dtype.is_complex)
+    if op in (_R.BAND, _R.BOR, _R.BXOR) and not exact:
+        raise ValueError(f"tpshm: {what} with ReduceOp.{op.name} takes integer or bool tensors, got {dtype}")
+    if op == _R.AVG and exact:
+        raise ValueError(f"tpshm: {what} with ReduceOp.AVG takes floating-point tensors (an integer mean "
+                         f"would round), got {dtype}; use SUM and divide")
+    if op in (_R.MIN, _R.MAX) and dtype.is_complex:
+        raise ValueError(f"tpshm: {what} with ReduceOp.{op.name} has no order on complex {dtype}")
+
+
+def _check_writable(what: str, tensors) -> None:
+    """Before any round: a result cannot go into a tensor whose elements share memory."""
+    for t in tensors:
+        if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlapping (a stride 0)
+            raise ValueError(f"tpshm: {what} writes into a tensor of shape {tuple(t.shape)} and strides "
+                             f"{t.stride()} whose elements share memory (an expanded view); pass one of "
+                             f"its own, e.g. .clone()")
+
+
+def _alike(many, one, p: int) -> bool:
+    """``many`` is one tensor per rank, each of ``one``'s size and dtype (else gloo says what is wrong)."""
+    return len(many) == p and all(t.numel() == one.numel() and t.dtype == one.dtype for t in many)
+
+
+def _staged(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if contiguous, else a contiguous copy of it (the transport works on flat memory)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _write_back(view: torch.Tensor, staged: torch.Tensor) -> None:
+    """A result computed in ``staged`` (a copy of ``view``), into the caller's ``view``."""
+    if staged is not view:
+        view.copy_(staged)
+
+
+def _via_gloo(call, written, read, opts):
+    """``call`` (a gloo collective) on contiguous copies of non-contiguous tensors, the results
+    copied back into ``written`` once it is done (the call then waits: see the module's note)."""
+    back: list = []
+    args = [_staged_all(written, back)] + ([] if read is None else [_staged_all(read, None)])
+    work = call(*args, *(() if opts is None else (opts,)))
+    if not back:
+        return work
+    work.wait()
+    for view, staged in back:
+        _write_back(view, staged)
+    return _done(written)
+
+
+def _staged_all(obj, back):
+    """A tensor or (nested) list of them, each :func:`_staged`; ``back`` collects (view, copy) pairs."""
+    if not isinstance(obj, torch.Tensor):
+        return [_staged_all(o, back) for o in obj]
+    staged = _staged(obj)
+    if back is not None and staged is not obj:
+        back.append((obj, staged))
+    return staged
 
 
 def _guarded(fn):
@@ -242,6 +338,8 @@ def _allreduce(s: seg.Segment, x: torch.Tensor, op) -> None:
         out.copy_(views[0][: b - a])
         for r in range(1, s.size):  # rank order on every rank: the same bits everywhere
             combine(out, views[r][: b - a])
+        if op == _R.AVG:
+            out.div_(s.size)
         s.depart(g)
     if flat.data_ptr() != x.data_ptr():
         x.copy_(flat.view_as(x))
@@ -276,6 +374,8 @@ def _reduce_scatter(s: seg.Segment, rows: torch.Tensor, out: torch.Tensor, op) -
         flat_out[a:b].copy_(own[0])
         for r in range(1, p):
             combine(flat_out[a:b], own[r])
+        if op == _R.AVG:
+            flat_out[a:b].div_(p)
         s.depart(g)
 
 

@@ -63,14 +63,15 @@ _SLICE = _Timespec(0, int(_SLICE_S * 1e9))
 OPS = ("barrier", "all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
-_EXTRA = {1: ("sum", "product", "max", "min"), 3: ("sum", "product", "max", "min")}
+_REDUCTIONS = ("sum", "product", "max", "min", "avg", "band", "bor", "bxor")  # shm._REDUCE's order
+_EXTRA = {1: _REDUCTIONS, 3: _REDUCTIONS}
 
 
 def _describe(code: int, nbytes: int) -> str:
     op, extra = code % 8, code // 8
     name = OPS[op] if op < len(OPS) else f"op {op}"
     if op in _EXTRA:
-        name += f" ({_EXTRA[op][extra] if extra < 4 else extra})"
+        name += f" ({_EXTRA[op][extra] if extra < len(_EXTRA[op]) else extra})"
     elif op == 4:
         name += f" from rank {extra}"
     return f"{name} of {nbytes} B" if op else name
