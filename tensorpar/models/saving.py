@@ -16,24 +16,31 @@ write its ``COMPLETE`` record, move it to ``step-NNNNNNNN`` and replace the ``la
 (``os.replace``). A save interrupted anywhere leaves ``latest`` on the previous checkpoint; the
 unfinished folder has no ``COMPLETE`` and is never read.
 
-Also stored: the step, the optimizer's hyperparameters, and each rank's torch RNG state and, for a
-model with dropout, its per-rank tensor-parallel generator state (both restored
+Also stored: the step, the optimizer's kind and hyperparameters, and each rank's torch RNG state
+and, for a model with dropout, its per-rank tensor-parallel generator state (both restored
 when the world size is the same).
+
+A checkpoint folder is not trusted: nothing in it may run code or make tensorpar read, write or
+delete outside it (its ``latest`` and step folders: :mod:`tensorpar.models.checkpoint_folder`;
+its metadata, data files and non-tensor items: :func:`tensorpar.dist.dcp.checked_metadata`), all
+checked before anything is loaded.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 import torch
 
 from tensorpar import dist
 from tensorpar.dist import dcp
+from tensorpar.models import checkpoint_folder as cf
+from tensorpar.models.checkpoint_folder import COMPLETE, LATEST, NoSpaceError, check_writable  # noqa: F401 (the API)
 from tensorpar.sharding.spec import ShardSpec
-
-LATEST, COMPLETE = "latest", "COMPLETE"
 
 
 def _dense_sizes(model, params) -> dict:
@@ -138,7 +145,11 @@ def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Pat
     """Every rank calls it: ``path/step-NNNNNNNN`` written and made ``path/latest`` (see the module).
     ``extra``: a JSON-serialisable dict kept in the checkpoint's ``COMPLETE`` record (what a
     training job needs to resume the same run: its data and batch settings), read back by
-    :func:`record`. Returns the checkpoint's folder."""
+    :func:`record`. Returns the checkpoint's folder. Checked before anything is written (a
+    ``ValueError`` naming the folder): ``path`` is a folder this process can write into or
+    create, a ``latest`` already there is tensorpar's own, and the checkpoint's bytes fit on its
+    filesystem; a disk that fills up during the write raises :class:`NoSpaceError`, the partial
+    files removed."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if extra is not None:
@@ -147,17 +158,42 @@ def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Pat
         except (TypeError, ValueError) as exc:
             raise ValueError(f"extra must be a JSON-serialisable dict: {exc}") from None
     root = Path(path)
+    check_writable(root)
+    cf.pointer(root)  # a latest that names anything else is refused before a byte is written
+    state = _state(model, optimizer, step)
+    cf.check_room(root, _nbytes(state))
     nonce = _nonce()
     tmp = root / f".step-{step:08d}.{nonce}.partial"
-    dcp.write(_state(model, optimizer, step), tmp)
+    with cf.writing(root, tmp, _largest(state)):
+        dcp.write(state, tmp)
     dist.barrier()  # every rank's blocks are on disk
     final = root / f"step-{step:08d}"
-    if final.exists():  # the same step saved again: a folder of its own, then latest moves to it
+    if os.path.lexists(final):  # the same step saved again: a folder of its own, then latest moves to it
         final = root / f"step-{step:08d}.{nonce}"
     if dist.get_rank() == 0:
-        _commit(root, tmp, final, {"step": step, **_layout(model), **({"extra": extra} if extra is not None else {})})
+        kind = {} if optimizer is None else {"optimizer": type(optimizer).__name__}
+        with cf.writing(root, None):
+            _commit(root, tmp, final, {"step": step, **_layout(model), **kind,
+                                       **({"extra": extra} if extra is not None else {})})
     dist.barrier()
     return final
+
+
+# DCP stores each tensor item with a header, and the metadata beside; measured on the tiny Llama's AdamW
+# checkpoint (87 items, 1.3 MB): 1.13 x the tensors' bytes. 1.25 x and 1 MiB leave room for more, smaller items.
+_OVERHEAD, _SLACK = 1.25, 2**20
+
+
+def _nbytes(state: dict) -> int:
+    """What a save of ``state`` puts on disk, at most: every dense tensor once (whichever ranks
+    hold its blocks), with DCP's per-item overhead."""
+    tensors = sum(math.prod(v.shape) * v.dtype.itemsize for v in state.values() if isinstance(v, torch.Tensor))
+    return int(tensors * _OVERHEAD) + _SLACK
+
+
+def _largest(state: dict) -> int:
+    return max((math.prod(v.shape) * v.dtype.itemsize for v in state.values() if isinstance(v, torch.Tensor)),
+               default=0)
 
 
 def _nonce() -> str:
@@ -177,7 +213,7 @@ def _commit(root: Path, tmp: Path, final: Path, record: dict) -> None:
     checkpoint."""
     _durable_write(tmp / COMPLETE, json.dumps(record))
     _fsync_dir(tmp)
-    previous = root / (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    previous = cf.pointer(root)
     tmp.rename(final)
     _fsync_dir(root)
     pointer = root / f".{LATEST}.{secrets.token_hex(4)}"
@@ -185,8 +221,9 @@ def _commit(root: Path, tmp: Path, final: Path, record: dict) -> None:
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     if previous is not None and previous != final and previous.name.split(".")[0] == final.name.split(".")[0]:
-        import shutil
-        shutil.rmtree(previous, ignore_errors=True)  # the same step's older save, now unreferenced
+        # the same step's older save, now unreferenced: a folder in root (_pointer admits a plain
+        # name only), or a symlink, which rmtree refuses rather than follow
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def _durable_write(path: Path, text: str) -> None:
@@ -205,59 +242,56 @@ def _fsync_dir(path: Path) -> None:
 
 
 def resolve(path) -> Path:
-    """The complete checkpoint folder ``path`` names (a root with ``latest``, or a step folder);
-    ``ValueError`` naming what is missing otherwise."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"checkpoint {str(p)!r} does not exist or is not a folder")
-    if (p / LATEST).is_file():
-        p = p / (p / LATEST).read_text().strip()
-    if not (p / COMPLETE).is_file():
-        what = "an unfinished save (no COMPLETE record)" if (p / ".metadata").is_file() else "not a tensorpar checkpoint"
-        raise ValueError(f"{str(p)!r} is {what}: expected {LATEST} or {COMPLETE} in it")
-    return p
+    """The complete checkpoint folder ``path`` names (a root with ``latest``, or a step folder),
+    checked whole before anything is loaded (see :func:`_open`); ``ValueError`` naming what is
+    missing, damaged or refused otherwise."""
+    return _open(path)[0]
 
 
 def record(path) -> dict:
     """The ``COMPLETE`` record of the checkpoint ``path`` names: ``step``, the layout it was saved
-    at, and ``extra`` when :func:`save` was given one."""
-    return json.loads((resolve(path) / COMPLETE).read_text())
+    at, the optimizer's kind, and ``extra`` when :func:`save` was given one."""
+    return _open(path)[1]
 
 
-def _check_files(folder: Path) -> dict:
-    """Every file the metadata points into exists and is long enough (a clear error before
-    loading); returns ``{key: dense shape}``."""
-    sizes, files = dcp.metadata(folder)
+def _open(path) -> tuple[Path, dict, dict]:
+    """``(folder, record, saved)`` of the checkpoint ``path`` names, ``saved`` being ``{key: (dense
+    shape, dtype)}``. Checked in this order, nothing read before the checks that guard it: the
+    folder and its ``latest``; its ``COMPLETE`` record (JSON); the metadata (unpickled without
+    running anything, naming only regular files inside the folder); each data file long enough
+    for its blocks; every non-tensor item plain data."""
+    folder = cf.step_folder(Path(path))
+    rec = cf.read_record(folder)
+    saved, files = dcp.metadata(folder)
     for name, size in sorted(files.items()):
         f = folder / name
-        if not f.is_file():
-            raise ValueError(f"checkpoint {str(folder)!r} is missing its file {name}")
         if f.stat().st_size < size:
             raise ValueError(f"checkpoint file {str(f)!r} is truncated: {f.stat().st_size} bytes, needs {size}")
-    return sizes
+    dcp.check_objects(folder)
+    return folder, rec, saved
 
 
 def load(model, optimizer, path) -> int:
     """Every rank calls it: the model's parameters and the optimizer's state from the checkpoint at
     ``path`` (any layout), into this rank's blocks; returns the saved step. Checked first, before
-    anything changes: the folder is a complete checkpoint, its files are whole, and it holds every
-    parameter at this model's dense shape (``ValueError`` naming the key or the file)."""
-    folder = resolve(path)
-    saved = _check_files(folder)
+    anything changes: the folder is a complete, untampered checkpoint (:func:`resolve`), it holds
+    every parameter at this model's dense shape, and its optimizer is of this optimizer's kind
+    (``ValueError`` naming the key or the file)."""
+    folder, rec, saved = _open(path)
     _reshard(model)
     _check_keys(folder, saved, _state(model, None, 0))
     if optimizer is not None:
         groups = {k.split(".")[2] for k in saved if k.startswith("optim.param_groups.")}  # DCP flattens the list
         if not groups:
             raise ValueError(f"checkpoint {str(folder)!r} was saved without an optimizer; load it with optimizer=None")
+        _check_optimizer(folder, rec, saved, model, optimizer)
         if len(groups) != len(optimizer.param_groups):
             raise ValueError(f"checkpoint {str(folder)!r} has {len(groups)} optimizer parameter groups, "
                              f"this optimizer {len(optimizer.param_groups)}")
         _init_optimizer_state(model, optimizer, saved)
     state = _state(model, optimizer, 0)
     _check_keys(folder, saved, state)
-    record = json.loads((folder / COMPLETE).read_text())
-    same_layout = all(record.get(k) == v for k, v in _layout(model).items())
+    same_layout = all(rec.get(k) == v for k, v in _layout(model).items())
     if not same_layout:  # another rank numbering: a rank's generator is not this rank's to take
         state.pop(f"rng.{dist.get_rank()}")
     if not same_layout or _tp_rng_key() not in saved:
@@ -284,11 +318,50 @@ def _check_keys(folder, saved: dict, state: dict) -> None:
         if key.startswith("rng.") or key in ("step", "optim.param_groups"):
             continue
         if key not in saved:
-            raise ValueError(f"checkpoint {str(folder)!r} has no {key!r}: it is of another model")
+            what = "the optimizer state " if key.startswith("optim.") else ""
+            raise ValueError(f"checkpoint {str(folder)!r} has no {what}{key!r}: it is of another model")
         want = saved[key][0]
         if isinstance(value, torch.Tensor) and want is not None and tuple(want) != tuple(value.shape):
             raise ValueError(f"checkpoint {str(folder)!r}: {key!r} is {tuple(want)} there and "
                              f"{tuple(value.shape)} in this model")
+
+
+def _check_optimizer(folder, rec: dict, saved: dict, model, optimizer) -> None:
+    """The checkpoint's optimizer is of this optimizer's kind: its class as recorded (Adam's
+    state in AdamW would take AdamW's hyperparameters), or, in a record from before the class was
+    kept, state names in common. ``ValueError`` naming both kinds and their state names."""
+    theirs, ours = _saved_state_names(model, saved), _state_names(optimizer)
+    kind = rec.get("optimizer")
+    differ = kind != type(optimizer).__name__ if kind is not None else bool(ours and theirs and not ours & theirs)
+    if differ:
+        raise ValueError(f"checkpoint {str(folder)!r} holds the state of {kind or 'another optimizer'} "
+                         f"({', '.join(sorted(theirs)) or 'none'}), this optimizer is {type(optimizer).__name__} "
+                         f"({', '.join(sorted(ours)) if ours is not None else 'state names unknown'}): the optimizer "
+                         f"kinds differ; load into the same kind, or with optimizer=None for the weights alone")
+
+
+def _saved_state_names(model, saved: dict) -> set:
+    names = set()
+    for n, _ in model.named_parameters():
+        prefix = f"optim.{n}."
+        names |= {k[len(prefix):] for k in saved if k.startswith(prefix)}
+    return names
+
+
+def _state_names(optimizer) -> set | None:
+    """The names of the state ``optimizer`` keeps per parameter: its own after a step, else those
+    a copy of it keeps after one step on a one-element tensor (None if that copy cannot run)."""
+    held = {k for st in optimizer.state.values() for k in st}
+    if held:
+        return held
+    p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    p.grad = torch.zeros_like(p)
+    try:
+        probe = type(optimizer)([p], **{k: v for k, v in optimizer.defaults.items() if k not in _IMPLEMENTATION})
+        probe.step()
+    except Exception:  # noqa: BLE001 - an optimizer of unknown construction: names unknown, not an error
+        return None
+    return set(probe.state[p])
 
 
 # how an optimizer runs, not what it learned: this process's choice, never the checkpoint's
@@ -322,24 +395,35 @@ def export(model, path) -> Path:
     """Every rank calls it: ``path`` becomes a Hugging Face directory (``config.json`` and
     ``model.safetensors``) of the dense model this split one computes, which ``from_pretrained``
     and :func:`~tensorpar.models.checkpoint.load_sharded` load at any tp. The blocks go through a
-    DCP folder as in :func:`save` (each rank writes its own); rank 0 alone assembles the dense
-    tensors, one file."""
-    import shutil
-
+    DCP folder beside ``path`` as in :func:`save` (each rank writes its own); rank 0 alone
+    assembles the dense tensors, one file. Checked first, as :func:`save` checks: ``path`` a
+    folder that can be written, with room for the blocks and the file at once, and none of the
+    files it writes a symlink (which would lead the write elsewhere)."""
     from safetensors.torch import save_file
 
     root = Path(path)
-    tmp = root.parent / f".{root.name}.{_nonce()}.blocks"
+    check_writable(root)
+    for name in _EXPORTED:
+        if (root / name).is_symlink():
+            raise ValueError(f"{root / name} is a symlink (to {os.readlink(root / name)!r}): refused, export "
+                             f"writes regular files inside {str(root)!r}")
     state = {k: v for k, v in _state(model, None, None).items() if k.startswith("model.")}
-    dcp.write(state, tmp)
+    cf.check_room(root, 2 * _nbytes(state))  # the blocks folder and the assembled file exist at once
+    tmp = root.parent / f".{root.name}.{_nonce()}.blocks"
+    with cf.writing(root, tmp, _largest(state)):
+        dcp.write(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         try:
-            tensors = {k.removeprefix("model."): v.contiguous() for k, v in dcp.dense_state(tmp).items()}
-            root.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-            model.config.save_pretrained(root)
+            with cf.writing(root, None, _largest(state)):
+                tensors = {k.removeprefix("model."): v.contiguous() for k, v in dcp.dense_state(tmp).items()}
+                root.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+                model.config.save_pretrained(root)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     return root
+
+
+_EXPORTED = ("model.safetensors", "config.json", "generation_config.json")  # what export writes in its folder
