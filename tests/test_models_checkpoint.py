@@ -12,6 +12,7 @@ embeddings 1e-5 absolute (issue 4; they are unit vectors).
 """
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,56 @@ def test_integer_tensor_where_a_float_is_expected(tiny_dirs, tmp_path):
 def test_bad_dtype(tiny_dirs):
     with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
         load_sharded(tiny_dirs["llama"], dtype=torch.int64)
+
+
+def _as_hub_cache(src, root, org="org"):
+    """``src`` split into two files with an index and laid out as the Hugging Face hub cache keeps
+    a download: ``models--org--tiny/blobs/<sha256>`` and, in ``snapshots/<rev>/``, each file a
+    symlink to ``../../blobs/<sha256>``. Returns the snapshot folder."""
+    import hashlib
+    tensors = load_file(src / "model.safetensors")
+    keys = sorted(tensors)
+    files = {"model-00001-of-00002.safetensors": keys[:len(keys) // 2],
+             "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    staging = root / "staging"
+    staging.mkdir(parents=True)
+    for name, part in files.items():
+        save_file({k: tensors[k] for k in part}, staging / name, metadata={"format": "pt"})
+    _index_of(staging, {k: name for name, part in files.items() for k in part})
+    shutil.copy(src / "config.json", staging / "config.json")
+    repo = root / f"models--{org}--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in staging.iterdir():
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        f.rename(repo / "blobs" / sha)
+        (snapshot / f.name).symlink_to(f"../../blobs/{sha}")
+    staging.rmdir()
+    return snapshot
+
+
+def test_a_checkpoint_in_the_hub_cache_layout_loads_its_symlinked_blobs(tiny_dirs, tmp_path):
+    """The layout most downloaded models have: every file a symlink into the same cache repo's
+    blobs/. Loaded, it equals the plain single-file checkpoint bit for bit."""
+    src = Path(tiny_dirs["llama"])
+    snapshot = _as_hub_cache(src, tmp_path)
+    assert all(f.is_symlink() for f in snapshot.iterdir())
+    hub, _ = load_sharded(snapshot)
+    plain, _ = load_sharded(src)
+    for (name, a), b in zip(plain.state_dict().items(), hub.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_hub_snapshot_linking_out_of_its_own_blobs_is_refused(tiny_dirs, tmp_path):
+    """A symlink to another cache repo's blobs, or out of the cache, still leaves the folder."""
+    snapshot = _as_hub_cache(Path(tiny_dirs["llama"]), tmp_path)
+    other = _as_hub_cache(Path(tiny_dirs["llama"]), tmp_path / "other-cache", org="other")
+    link = snapshot / "model-00002-of-00002.safetensors"
+    loose = shutil.copy(link.resolve(), tmp_path / "loose.safetensors")
+    for target in ((other / link.name).resolve(), loose):  # a blob of models--other--tiny; a file outside
+        link.unlink()
+        link.symlink_to(target)
+        with pytest.raises(ValueError, match=r"index.json names files outside the checkpoint folder: "
+                                             r"\['model-00002-of-00002.safetensors'\]"):
+            load_sharded(snapshot)

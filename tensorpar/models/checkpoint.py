@@ -109,11 +109,10 @@ def _check_dir(path: Path) -> dict:
     single = path / "model.safetensors"
     if index.is_file():
         weight_map = _read_index(index)
-        root = path.resolve()
-        outside = sorted({f for f in weight_map.values() if root not in (path / f).resolve().parents})
+        outside = sorted({f for f in weight_map.values() if not _inside(path, f)})
         if outside:
             raise ValueError(f"{index} names files outside the checkpoint folder: {outside[:3]}; tensorpar reads "
-                             f"only files inside {str(path)!r}")
+                             f"only files inside {str(path)!r} (and, in the hub cache, its own blobs/)")
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise ValueError(f"checkpoint {str(path)!r}: index names files that are missing: {missing}")
@@ -125,6 +124,21 @@ def _check_dir(path: Path) -> dict:
         raise ValueError(f"checkpoint directory {str(path)!r} has neither model.safetensors nor "
                          f"model.safetensors.index.json; found {sorted(p.name for p in path.iterdir())}")
     return {None: single}
+
+
+def _inside(path: Path, name: str) -> bool:
+    """``path/name`` is a file of the checkpoint folder: ``name`` a relative path without ``..``,
+    and its target inside the folder, or, for a snapshot of the Hugging Face hub cache
+    (``models--org--name/snapshots/<rev>/``, whose files are symlinks to ``../../blobs/<sha>``),
+    inside that same cache repository's ``blobs/``."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or ".." in parts:
+        return False
+    root, target = path.resolve(), (path / name).resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")
+    return any(a in target.parents for a in allowed)
 
 
 def _read_index(index: Path) -> dict:
