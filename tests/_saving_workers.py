@@ -32,12 +32,17 @@ def _train(model, opt, rows, steps, dp_group) -> list:
     return losses
 
 
-def resume_worker(root, save_layout, load_layouts, sizes=None):
+def resume_worker(root, save_layout, load_layouts, sizes=None, more=None):
     """Train 10 steps at ``save_layout`` and save; for each of ``load_layouts``, a model built from
     other weights loads the checkpoint and trains steps 11-20: each curve against the single-process
-    run of all 20 steps (the reference shares no code with saving or loading)."""
+    run of all 20 steps (the reference shares no code with saving or loading). ``more``: ``(root,
+    layouts)`` of a checkpoint saved elsewhere from the same run (on fewer ranks), loaded the same
+    way; its curves under the key ``"more"``."""
     save_worker(root, save_layout, sizes)
-    return reshard_worker(root, load_layouts, sizes)
+    out = reshard_worker(root, load_layouts, sizes)
+    if more is not None:
+        out["more"] = reshard_worker(*more, sizes)
+    return out
 
 
 def save_worker(root, save_layout, sizes=None):
@@ -144,3 +149,11 @@ def dropout_resume_worker(root):
     opt = torch.optim.AdamW(other.parameters(), lr=LR, weight_decay=DECAY)
     saving.load(other, opt, root)
     return {"whole": whole, "resumed": first + run(other, opt, steps[3:])}
+
+
+def two_rank_worker(dropout_root, tp2_root):
+    """The launch of 2 ranks: :func:`dropout_resume_worker`, and the tiny Llama's 10 steps saved
+    at tp 2 (dp 1) for a launch of 4 ranks to resume (:func:`resume_worker`'s ``more``)."""
+    out = dropout_resume_worker(dropout_root)
+    save_worker(tp2_root, (1, 2, None))
+    return out

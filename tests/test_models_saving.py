@@ -20,19 +20,50 @@ TOL = 1e-12
 LOADS = [(2, 2, "ddp"), (1, 4, None), (4, 1, "fsdp"), (2, 2, "fsdp"), (2, 2, "fsdp", "cold")]
 
 
+# loaded on 4 ranks from a checkpoint saved at tp 2 on 2 ranks (more ranks than it was saved from)
+MORE_RANKS = [(1, 4, None), (2, 2, "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks: the dropout run (its test below) and the tiny Llama saved at tp 2,
+    which the 4-rank resume launch of the DDP save also loads (no launch of its own)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    results = dist.launch(W.two_rank_worker, 2, str(root / "dropout"), str(root / "tp2"), deadline=300)
+    return str(root / "tp2"), results
+
+
 @functools.lru_cache(maxsize=None)
-def resumed(save_layout) -> list:
+def resumed(save_layout, tp2_root=None) -> list:
     import tempfile
+    more = None if tp2_root is None else (tp2_root, MORE_RANKS)
     with tempfile.TemporaryDirectory() as tmp:
-        return dist.launch(W.resume_worker, 4, tmp, save_layout, LOADS, deadline=600)
+        return dist.launch(W.resume_worker, 4, tmp, save_layout, LOADS, None, more, deadline=600)
+
+
+def _resumed(save_layout, request) -> list:
+    """The DDP save's launch also loads the 2-rank checkpoint (so both tests share one launch)."""
+    return resumed(save_layout, request.getfixturevalue("two_ranks")[0] if save_layout[2] == "ddp" else None)
 
 
 @pytest.mark.parametrize("save_layout", [(2, 2, "ddp"), (2, 2, "fsdp")], ids=["saved-dp2xtp2-ddp", "saved-dp2xtp2-fsdp"])
 @pytest.mark.parametrize("load_layout", LOADS, ids=lambda x: f"loaded-dp{x[0]}xtp{x[1]}-{x[2]}{''.join('-' + a for a in x[3:])}")
-def test_a_resumed_run_continues_the_uninterrupted_curve(save_layout, load_layout):
-    for res in resumed(save_layout):
+def test_a_resumed_run_continues_the_uninterrupted_curve(save_layout, load_layout, request):
+    for res in _resumed(save_layout, request):
         r = res[load_layout]
         assert r["step"] == W.SAVE_AT
+        assert r["err"] <= TOL, r
+
+
+@pytest.mark.parametrize("load_layout", MORE_RANKS, ids=lambda x: f"loaded-dp{x[0]}xtp{x[1]}-{x[2]}")
+def test_a_checkpoint_saved_on_2_ranks_continues_on_4(load_layout, request):
+    """Saved at tp 2 on 2 ranks, loaded at tp 4 and at dp 2 x tp 2 (FSDP) on 4: each rank's blocks
+    come from pieces another layout wrote; steps 11-20 on the uninterrupted curve (float64, TOL)."""
+    results = _resumed((2, 2, "ddp"), request)
+    assert len(results) == 4
+    for res in results:
+        r = res["more"][load_layout]
+        assert r["step"] == W.SAVE_AT and r["tp"] == load_layout[1]
         assert r["err"] <= TOL, r
 
 
@@ -60,11 +91,11 @@ def test_a_checkpoint_saved_at_dp2xtp2_resumes_at_tp3_and_unsplit():
         assert r["err"] <= TOL, (layout, r)
 
 
-def test_a_resume_with_dropout_repeats_the_uninterrupted_masks(tmp_path):
+def test_a_resume_with_dropout_repeats_the_uninterrupted_masks(two_ranks):
     """GPT-2 with attention and residual dropout at tp 2: the checkpoint keeps each rank's default
     generator and its tensor-parallel one, so steps 4-6 after a resume draw the same masks as the
     uninterrupted run and give the same losses, exactly (the same operations in the same order)."""
-    for r in dist.launch(W.dropout_resume_worker, 2, str(tmp_path), deadline=300):
+    for r in two_ranks[1]:
         assert r["resumed"] == r["whole"], r
 
 
@@ -188,3 +219,22 @@ def test_optimizer_mismatches_are_refused_before_anything_changes(saved, tmp_pat
                                     {"params": list(other.parameters())[2:]}], lr=1e-2)
     with pytest.raises(ValueError, match="has 1 optimizer parameter groups, this optimizer 2"):
         saving.load(other, two_groups, folder)
+
+
+def test_the_optimizers_hyperparameters_come_back_and_how_it_runs_stays(tmp_path):
+    """As the README says: the optimizer's hyperparameters go with the checkpoint (every one set
+    off its default here), how it runs (foreach, fused) stays this process's choice."""
+    hyper = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05, "amsgrad": True, "maximize": True}
+    model = make_tiny_model("llama", seed=1).train()
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    opt.step()
+    folder = saving.save(model, opt, tmp_path / "ckpt", step=1)
+    other = make_tiny_model("llama", seed=2)
+    fresh = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=True)  # every other setting its default
+    saving.load(other, fresh, folder)
+    group = fresh.param_groups[0]
+    assert {k: group[k] for k in hyper} == hyper
+    assert (group["foreach"], group["fused"]) == (True, None)
+    assert torch.equal(fresh.state[next(other.parameters())]["max_exp_avg_sq"],
+                       opt.state[next(model.parameters())]["max_exp_avg_sq"])
