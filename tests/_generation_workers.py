@@ -91,4 +91,8 @@ def _stop_case(group):
     row = free[0].tolist()
     stop = next(t for k, t in enumerate(row) if k >= 1 and t not in row[:k])
     got = generate(split, PROMPTS, NEW, eos_token_id=[stop], pad_token_id=0)[:, -NEW:]
-    return free.tolist(), stop, got.tolist()
+    # no pad id: what follows is the first stop token; the second is one no row produces
+    other = max(set(range(dense.config.vocab_size)) - set(free.flatten().tolist()))
+    default = {name: generate(m, PROMPTS, NEW, eos_token_id=[stop, other])[:, -NEW:].tolist()
+               for name, m in (("split", split), ("dense", dense))}
+    return free.tolist(), stop, got.tolist(), default

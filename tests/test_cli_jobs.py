@@ -167,11 +167,11 @@ def test_run_samples_a_batch_of_prompts_of_different_lengths(checkpoints):
     """Three prompts (5, 2 and 3 tokens, left-padded), top-k sampling at tp 2: every row's tokens
     are the unsplit model's (the same sampler and seed draw the same token from the same logits),
     and so are the logits of every step; the generation's calls are the planner's for a batch of
-    3 padded to 5 tokens with 5 candidates per rank. Stop token 62 ends the second row after its
+    3 padded to 5 tokens with 5 candidates per rank. Stop token 8 ends the second row after its
     second token (what this tiny model samples with seed 3); the others run on."""
     r = tensorpar("run", "--model", str(checkpoints["gpt2"]), "--tp", "2", "--prompt-ids", "3,1,4,1,5",
                   "--prompt-ids", "9,2", "--prompt-ids", "7,7,7", "--do-sample", "--top-k", "5", "--seed", "3",
-                  "--eos-token-id", "62", "--pad-token-id", "0", "--max-new-tokens", "5", "--json")
+                  "--eos-token-id", "8", "--pad-token-id", "0", "--max-new-tokens", "5", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     res = out["result"]
@@ -182,10 +182,10 @@ def test_run_samples_a_batch_of_prompts_of_different_lengths(checkpoints):
         assert row["decode_max_rel_diff"] <= 1e-5
     assert [row["new_tokens"] for row in res["rows"]] == [5, 2, 5]
     assert [row["stopped"] for row in res["rows"]] == [False, True, False]
-    assert res["rows"][1]["tokens"][1:] == [62, 0, 0, 0]  # the stop token, then --pad-token-id
+    assert res["rows"][1]["tokens"][1:] == [8, 0, 0, 0]  # the stop token, then --pad-token-id
     assert res["tokens"] == [row["tokens"] for row in res["rows"]]  # several prompts: lists per row
     assert res["options"] == {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 1.0, "seed": 3,
-                              "eos_token_id": [62], "pad_token_id": 0, "engine": "auto"}
+                              "eos_token_id": [8], "pad_token_id": 0, "engine": "auto"}
     assert out["ledger"]["collectives"] and out["ledger"]["ledger_bytes_per_rank"] == \
         out["ledger"]["predicted_bytes_per_rank"]
     gen = out["ledger"]["generation"]

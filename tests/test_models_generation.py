@@ -5,11 +5,12 @@ GPT-2) and the model's own forward; the expected side always the model's own for
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from tensorpar import dist
-from tensorpar.models.sampling import Sampler, choose, step_seed
+from tensorpar.models.sampling import Sampler, choose, gumbel
 from tests import _generation_workers as W
 
 ARCHS = ("llama", "gpt2")
@@ -73,8 +74,7 @@ def test_sampled_tokens_follow_an_independent_sampler(name):
 
 def _reference_pick(logits, kw, step) -> list:
     b, v = logits.shape
-    gen = torch.Generator().manual_seed(step_seed(kw["seed"], step))
-    noise = -torch.log(-torch.log(torch.rand(b, v, generator=gen, dtype=torch.float64)))
+    noise = -torch.log(-torch.log(torch.from_numpy(_documented_uniforms(kw["seed"], step, b, v))))
     picks = []
     for row in range(b):
         scores = [(x / kw.get("temperature", 1.0), i) for i, x in enumerate(logits[row].tolist())]
@@ -144,10 +144,89 @@ def test_greedy_ties_go_to_the_smallest_index_like_argmax():
         choose(torch.tensor([[float("nan"), 1.0]], dtype=torch.float64), torch.tensor([[0, 1]]), Sampler(), 0, 2)
 
 
-def test_a_stop_token_ends_its_row_and_pads_it():
-    free, stop, got = results()[0]["stop"]
+def _documented_uniforms(seed, step, b, v):
+    """The uniforms behind step ``step``'s noise, from tensorpar.models.sampling's docstring alone."""
+    words = np.array([seed % 2 ** 32, seed // 2 ** 32, step % 2 ** 32, step // 2 ** 32], dtype=np.uint32)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words))).random((b, v))
+
+
+def _stopped(free, stop, pad):
+    """``free`` (rows generated without stopping) as stop token ``stop`` ends them, each padded with ``pad``."""
     stops_at = [row.index(stop) if stop in row else None for row in free]
     length = len(free[0]) if None in stops_at else max(stops_at) + 1  # ends once every row has stopped
-    want = [row[: k + 1] + [0] * (length - k - 1) if k is not None else row[:length]
+    assert stops_at[0] >= 1 and stops_at[0] + 1 < length, (free, stop)  # row 0 stops, and is padded
+    return [row[: k + 1] + [pad] * (length - k - 1) if k is not None else row[:length]
             for row, k in zip(free, stops_at)]
-    assert stops_at[0] >= 1 and got == want, (free, stop, got)
+
+
+def test_a_stop_token_ends_its_row_and_pads_it():
+    free, stop, got, _ = results()[0]["stop"]
+    assert got == _stopped(free, stop, 0), (free, stop, got)
+
+
+def test_a_stopped_row_is_padded_with_the_first_stop_token_by_default():
+    """No pad_token_id: a stopped row continues with the first of its stop tokens (generate's
+    docstring, the README's --pad-token-id), split (tp 2) and unsplit alike. The second stop token
+    is one no row produces and the first is not 0: padding with 0, or with the last stop token,
+    would differ."""
+    free, stop, _, default = results()[0]["stop"]
+    assert stop != 0
+    for name, got in default.items():
+        assert got == _stopped(free, stop, stop), (name, free, stop, got)
+
+
+# Seeds torch's 32-bit seeding confuses (0 and 2**32, 1 and 2**32 + 1), neighbours, and large ones.
+NOISE_SEEDS = (0, 1, 2, 3, 2 ** 32, 2 ** 32 + 1, 2 ** 62 + 12345, 2 ** 63 - 1)
+NOISE_STEPS, NOISE_ROWS, NOISE_VOCAB = 16, 3, 50
+
+
+def _noise() -> torch.Tensor:
+    """(seeds, steps, rows, vocabulary) float64: the Gumbel noise of each seed's each step."""
+    return torch.stack([torch.stack([gumbel(Sampler(do_sample=True, seed=s), t, NOISE_ROWS, NOISE_VOCAB)
+                                     for t in range(NOISE_STEPS)]) for s in NOISE_SEEDS])
+
+
+def test_sampling_noise_never_repeats_across_seeds_steps_and_rows():
+    """19 200 noise values (8 seeds x 16 steps x 3 rows x 50 indices) hold no value twice. Noise
+    reused between steps (a generator re-seeded with the seed alone), shifted (row b of step t + 1
+    = row b + 1 of step t), shared between rows, or a key that collides ((seed 1, step 0) = (seed 0,
+    step 1) under seed + step; seed 2**32 = seed 0 under torch's 32-bit seeding) repeats 50 values
+    at once. Independent continuous draws rounded to float64 coincide with probability below
+    N^2/2 * 2**-50 = 2e-7 (N = 19 200)."""
+    values = _noise().flatten()
+    assert values.unique().numel() == values.numel(), values.numel() - values.unique().numel()
+
+
+def test_sampling_noise_is_uncorrelated_between_neighbouring_steps_seeds_and_rows():
+    """Pearson correlation of the noise of neighbouring steps (t, t + 1), seeds (s, s + 1 in the
+    list), rows (b, b + 1), and of the seed + step diagonal ((s + 1, t) against (s, t + 1)): each
+    pools thousands of pairs, whose correlation is within 1/sqrt(n) of 0 for independent noise
+    (one standard deviation); the bound is 6 of them (a false alarm below 2e-9 per check). Noise
+    derived from another's (1 - U, a reused stream under a transform) correlates far beyond it."""
+    g = _noise()  # (S, T, B, V)
+    pairs = {"steps": (g[:, :-1], g[:, 1:]), "seeds": (g[:-1], g[1:]), "rows": (g[:, :, :-1], g[:, :, 1:]),
+             "seed + step": (g[1:, :-1], g[:-1, 1:])}
+    for name, (a, b) in pairs.items():
+        r = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1].item()
+        assert abs(r) < 6 / math.sqrt(a.numel()), (name, r, a.numel())
+
+
+def test_generate_refuses_what_it_cannot_run_before_any_step():
+    """A text instead of token ids, a flat list of ids (one prompt needs its own list), a prompt
+    plus max_new_tokens past the model's positions (GPT-2's table: an IndexError inside the
+    forward; Llama's declared maximum): ValueError naming the values. At GPT-2's limit it runs."""
+    from tensorpar.models.generation import generate
+    from tensorpar.models.testing import make_tiny_model
+    for arch in ("gpt2", "llama"):
+        model = make_tiny_model(arch, seed=1)  # 64 positions
+        for args, message in (
+                (("hello", 3), r"input_ids must be token ids, got a str \('hello'\): tokenize the text first"),
+                (([1, 2, 3], 3), r"input_ids must be a list of token-id lists, one per prompt .* got \[1, 2, 3\]"),
+                (([[1, 2], [3, 4, 5]], 62), r"the longest prompt \(3 tokens\) plus max_new_tokens \(62\) is 65 "
+                                            r"tokens, more than this model's 64 positions"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                generate(model, *args)
+    # left padding does not count: two real tokens plus 62 new ones fill GPT-2's 64 positions
+    ids, mask = torch.tensor([[0, 0, 7, 8]]), torch.tensor([[0, 0, 1, 1]])
+    assert generate(make_tiny_model("gpt2", seed=1), ids, 62, attention_mask=mask).shape == (1, 66)

@@ -43,7 +43,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
 
     ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
     ``model.tp_report``). ``input_ids``: a ``(B, T)`` long tensor (with ``attention_mask``, 1 for
-    real tokens, 0 for left padding) or a list of token-id lists of any lengths (padded here).
+    real tokens, 0 for left padding) or a list of token-id lists of any lengths (padded here);
+    the longest prompt plus ``max_new_tokens`` within the model's ``max_position_embeddings``.
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``: see
     :mod:`tensorpar.models.sampling` (greedy by default). ``eos_token_id``: a stop token or a
     list of them; a row that produced one continues with ``pad_token_id`` (default: the first
@@ -65,6 +66,7 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     ids, mask = prompts(input_ids, attention_mask, pad, vocab)
     _check_count(max_new_tokens)
+    _check_positions(model, mask, max_new_tokens)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     sampler = Sampler(do_sample, temperature, top_k, top_p, seed)
@@ -99,9 +101,15 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
 
 def prompts(input_ids, attention_mask, pad: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)``, both ``(B, T)`` long: lists left-padded with ``pad``, tensors checked."""
+    if isinstance(input_ids, str):
+        raise ValueError(f"input_ids must be token ids, got a str ({input_ids[:30]!r}): tokenize the text "
+                         f"first, e.g. [tokenizer(text)['input_ids']]")
     if isinstance(input_ids, (list, tuple)):
         if attention_mask is not None:
             raise ValueError("attention_mask goes with an input_ids tensor; lists of token ids are padded here")
+        if not all(isinstance(r, (list, tuple)) for r in input_ids):
+            raise ValueError(f"input_ids must be a list of token-id lists, one per prompt (e.g. [[1, 2, 3]]); "
+                             f"got {str(input_ids)[:60]}")
         rows = [list(r) for r in input_ids]
         if not rows or any(not r for r in rows) or any(isinstance(v, bool) or not isinstance(v, int)
                                                        for r in rows for v in r):
@@ -137,6 +145,17 @@ def _checked_mask(mask, ids) -> torch.Tensor:
 def _check_count(max_new_tokens) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+
+
+def _check_positions(model, mask, max_new_tokens: int) -> None:
+    """Before any step: the longest prompt (real tokens) and the new tokens fit the positions the
+    model declares (past a learned position table a forward fails deep inside, with an IndexError)."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    longest = int(mask.sum(dim=1).max())
+    if isinstance(limit, int) and longest + max_new_tokens > limit:
+        raise ValueError(f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) is "
+                         f"{longest + max_new_tokens} tokens, more than this model's {limit} positions "
+                         f"(max_position_embeddings); use at most {limit} in all")
 
 
 def _stop_ids(eos_token_id, vocab: int) -> list[int]:

@@ -17,16 +17,22 @@ The choice, on candidates ``(values, indices)`` (float64 values: exact for any m
   Text Degeneration", Sec. 3.1; the order of Hugging Face's ``generate``: temperature, top-k,
   top-p); then the Gumbel-max trick (Gumbel 1954; Maddison et al. 2014, "A* Sampling", Sec. 2):
   ``argmax(value + G)``, ``G = -log(-log U)``, is an exact draw from the softmax. ``U`` for
-  row ``b``, vocabulary index ``v`` at step ``t`` is element ``(b, v)`` of ``torch.rand(B, V,
-  dtype=float64)`` from a generator seeded with :func:`step_seed` ``(seed, t)``: it depends
-  only on the seed, the step and the index, so a split model and the unsplit one with the same
-  seed draw the same token from the same logits, and so do all ranks.
+  row ``b``, vocabulary index ``v`` at step ``t`` is element ``(b, v)`` of
+  ``numpy.random.Generator(PCG64(SeedSequence(words))).random((B, V))`` (float64), ``words`` the
+  four 32-bit words ``(seed mod 2**32, seed >> 32, t mod 2**32, t >> 32)``: it depends only on
+  the seed, the step and the index, so a split model and the unsplit one with the same seed draw
+  the same token from the same logits, and so do all ranks; and every (seed, step) has a stream
+  of its own, independent of the others (SeedSequence's hash of an injective key into PCG64's
+  128-bit state). torch's CPU generator would not do: it keeps only the low 32 bits of its seed
+  (seeds 0 and 2**32 draw the same numbers), so no seed derived from (seed, step) can give every
+  pair its own stream.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -70,15 +76,18 @@ class Sampler:
         return self.top_k
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The generator seed of step ``step``: distinct per (seed, step), the same on every rank."""
-    return (seed * 1_000_003 + step) % (2 ** 63)
+def uniform(seed: int, step: int, batch: int, vocab_size: int) -> torch.Tensor:
+    """``U`` of step ``step`` (see the module): (B, V) float64 in [0, 1), the same on every rank."""
+    # Fixed-width words: SeedSequence reads a list of ints as variable-width words, so (2**32, 5)
+    # and (0, 1 + 5 * 2**32) would be one key; four 32-bit words make the key injective.
+    words = np.array([seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF, step >> 32], dtype=np.uint32)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+    return torch.from_numpy(rng.random((batch, vocab_size)))
 
 
 def gumbel(sampler: Sampler, step: int, batch: int, vocab_size: int) -> torch.Tensor:
     """``G = -log(-log U)`` for every row and vocabulary index of step ``step``: (B, V) float64."""
-    gen = torch.Generator().manual_seed(step_seed(sampler.seed, step))
-    return -torch.log(-torch.log(torch.rand(batch, vocab_size, generator=gen, dtype=torch.float64)))
+    return -torch.log(-torch.log(uniform(sampler.seed, step, batch, vocab_size)))
 
 
 def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: int, vocab_size: int, *,
