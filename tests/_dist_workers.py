@@ -264,6 +264,17 @@ def pid_worker():
     return os.getpid()
 
 
+class HoldsALock:
+    """A module-level callable the ranks cannot receive: its lock does not pickle."""
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return 0
+
+
 def thread_backward_worker():
     """Backward on another thread (as the autograd engine does on CUDA) still records."""
     import threading
@@ -424,3 +435,121 @@ def wire_worker(numels, dtype_name):
     with dist.ledger() as plain:  # nor anything unless the ledger asks
         dist.all_reduce(torch.ones(8))
     return rows, led.records[0].wire_bytes_sent, plain.records[0].wire_bytes_sent, plain.wire_bytes_sent()
+
+
+# ---- hangs and stuck ranks: every group's timeout, a peer that never comes, stopped and silent ranks ----
+
+def _timeout_s(pg) -> tuple:
+    """The seconds ``pg`` waits: a tpshm group's segment and its gloo group, or a gloo group's."""
+    import torch.distributed as tdist  # tests may look under the hood; the package may not
+
+    if hasattr(pg, "_gloo"):  # tensorpar's shared-memory group
+        return (pg.segment.timeout_s if pg.segment is not None else None,
+                pg._gloo.options._timeout.total_seconds())
+    return (pg._get_backend(torch.device("cpu")).options._timeout.total_seconds(),)
+
+
+def group_timeouts_worker():
+    """The timeout of every kind of group a rank can make without giving one (tensorpar's and
+    torch's new_group, init_device_mesh's dimensions, new_subgroups), and what a launch from
+    inside a rank says."""
+    import torch.distributed as tdist
+    from tensorpar.dist import mesh as tp_mesh
+
+    r = dist.get_rank()
+    pairs = [[0, 1], [2, 3]]
+    kinds = {"world": tdist.group.WORLD}
+    for name, make in (("tensorpar new_group", lambda ranks: dist.new_group(ranks)),
+                       ("tensorpar new_group gloo", lambda ranks: dist.new_group(ranks, backend="gloo")),
+                       ("torch new_group", lambda ranks: tdist.new_group(ranks)),
+                       ("torch new_group gloo", lambda ranks: tdist.new_group(ranks, backend="gloo"))):
+        kinds[name] = [make(ranks) for ranks in pairs][r // 2]  # every rank makes every group
+    device_mesh = tp_mesh.init_mesh(2, 2)
+    kinds["mesh dp"], kinds["mesh tp"] = device_mesh["dp"].get_group(), device_mesh["tp"].get_group()
+    kinds["new_subgroups"] = tdist.new_subgroups(2)[0]
+    try:
+        dist.launch(pid_worker, 2)
+        nested = "no error"
+    except ValueError as exc:
+        nested = str(exc)
+    return {name: _timeout_s(pg) for name, pg in kinds.items()}, nested
+
+
+def _stamp(directory, name) -> None:
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(repr(time.time()))
+
+
+def _write_pid(directory) -> None:
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def mesh_peer_never_comes_worker(directory):
+    """dp 2 x tp 2: rank 0 all-reduces on its tp group ([0, 1]); rank 1 never comes. The tp group
+    is init_device_mesh's: it waits the launch's timeout, not torch's 30-minute default."""
+    from tensorpar.dist import mesh as tp_mesh
+
+    _write_pid(directory)
+    tp_group = tp_mesh.init_mesh(2, 2)["tp"].get_group()
+    if dist.get_rank() == 1:
+        time.sleep(300)
+    if dist.get_rank() == 0:
+        _stamp(directory, "entered")
+    dist.all_reduce(torch.ones(3, dtype=torch.float64), group=tp_group, module="model.layers.0.mlp")
+    return "finished"
+
+
+def long_timeout_group_worker(directory):
+    """A group made with a timeout of its own (an hour) longer than the launch's: rank 0 waits in
+    it for rank 1, which never comes; only the launcher's watch can end the wait in time."""
+    import datetime
+
+    import torch.distributed as tdist
+
+    _write_pid(directory)
+    group = tdist.new_group([0, 1], timeout=datetime.timedelta(hours=1))
+    if dist.get_rank() == 1:
+        time.sleep(300)
+    _stamp(directory, "entered")
+    dist.all_reduce(torch.ones(3), group=group)
+    return "finished"
+
+
+def stopped_rank_worker(directory):
+    """Rank 1 is stopped (SIGSTOP) right after its second all-reduce moved its data, before the
+    flight recorder saw it leave: its slot still says "in all_reduce #2" while rank 0 waits in #3
+    (the state once reported as "ranks 0 and 1 are in different collectives")."""
+    import signal
+
+    from tensorpar.dist import flight
+
+    dist.check_collectives(False)  # a signature exchange would not change what is watched
+    _write_pid(directory)
+    if dist.get_rank() == 1:
+        real_leave = flight.leave
+
+        def leave_then_stop(seq):
+            if seq == 2:
+                _stamp(directory, "stopped")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            real_leave(seq)
+        flight.leave = leave_then_stop
+    for _ in range(3):
+        dist.all_reduce(torch.ones(3))
+    return "finished"
+
+
+def silent_rank_worker(directory):
+    """Rank 1 holds Python's GIL in native code (libc's sleep through ctypes.PyDLL, which keeps
+    the GIL): it is not stopped, but nothing of it runs, not even its heartbeat."""
+    import ctypes
+
+    dist.check_collectives(False)
+    _write_pid(directory)
+    dist.all_reduce(torch.ones(3))
+    if dist.get_rank() == 1:
+        _stamp(directory, "silent")
+        ctypes.PyDLL(None).sleep(60)
+    dist.all_reduce(torch.ones(3))
+    return "finished"

@@ -299,13 +299,15 @@ def test_the_ring_formula_is_what_the_sockets_carry(world, dtype):
 
 
 def test_same_user_code_runs_under_torchrun_env(tmp_path):
-    # Two processes with torchrun's variables (env:// rendezvous), each calling launch(fn, 2).
+    # Two processes with torchrun's variables (env:// rendezvous), each calling launch(fn, 2);
+    # started by hand, not by torchrun's agent: TENSORPAR_RENDEZVOUS=env says to join them.
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from tests import _dist_workers as W\nW.torchrun_user_code(sys.argv[1])\n"
             % str(Path(__file__).resolve().parents[1]))
     port = str(29500 + os.getpid() % 1000)
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"out{r}")],
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "TENSORPAR_RENDEZVOUS": "env",
+                                   "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": port}) for r in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
@@ -327,19 +329,13 @@ def test_deadline_stops_every_rank(tmp_path):
     assert _ranks_gone(tmp_path, 2)
 
 
-def test_results_come_back_in_rank_order_from_distinct_processes():
-    pids = dist.launch(W.pid_worker, 2)
+def test_results_come_back_in_rank_order_from_distinct_processes(monkeypatch):
+    # with torchrun's variables left over, TENSORPAR_RENDEZVOUS=local starts local ranks anyway
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+                 "TENSORPAR_RENDEZVOUS": "local"}.items():
+        monkeypatch.setenv(k, v)
+    pids = dist.launch(W.pid_worker, 2, deadline=60)
     assert len(set(pids)) == 2 and os.getpid() not in pids
-
-
-@pytest.mark.parametrize("bad, match", [
-    (0, "world_size must be a positive integer, got 0"),
-    (True, "world_size must be a positive integer, got True"),
-    (2.0, "world_size must be a positive integer, got 2.0"),
-])
-def test_bad_world_size(bad, match):
-    with pytest.raises(ValueError, match=match):
-        dist.launch(W.pid_worker, bad)
 
 
 def test_bad_backend_and_timeout():
@@ -409,9 +405,10 @@ def test_the_rank_side_check_catches_what_the_backend_would_complete():
 
 
 def test_a_stuck_rank_is_named_not_the_one_waiting_for_it():
-    with pytest.raises(dist.RankFailedError) as info:
+    with pytest.raises(dist.RankStuckError) as info:
         dist.launch(W.stuck_rank_worker, 2, timeout=4, deadline=60)
     message = str(info.value)
+    assert info.value.rank == 1 and message.startswith("rank 1 is stuck: rank 0 has waited"), message
     assert "rank 0 in all_reduce #2 float32[3] on group [0, 1] from model.layers.1.mlp" in message, message
     assert "rank 1 not in a collective" in message, message
 
@@ -429,18 +426,269 @@ def test_a_launch_has_a_deadline_by_default():
     assert inspect.signature(dist.launch).parameters["deadline"].default is not None
 
 
-def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch):
-    from tensorpar.dist import rendezvous
-    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+@pytest.fixture
+def no_rank_starts(monkeypatch):
+    """Fails the test if any rank process is spawned (multiprocessing's spawn starts every child
+    through ``util.spawnv_passfds``, running ``spawn_main``)."""
+    import multiprocessing.util as mp_util
+    real = mp_util.spawnv_passfds
+
+    def refuse(path, args, passfds):
+        if any("spawn_main" in str(a) for a in args):
+            raise AssertionError(f"a rank process was started: {args}")
+        return real(path, args, passfds)
+    monkeypatch.setattr(mp_util, "spawnv_passfds", refuse)
+
+
+def _local_function():
+    return 0
+
+
+def _closure(k):
+    def inner():
+        return k
+    return inner
+
+
+def test_functions_the_ranks_cannot_import_are_refused_before_any_process(monkeypatch, no_rank_starts):
+    import functools
+
+    def local():
+        return 0
+    cases = [(lambda: 0, "fn 'test_functions_the_ranks_cannot_import_are_refused_before_any_process.<locals>."
+                         "<lambda>' is a lambda: the spawned ranks cannot import it; pass a function defined at "
+                         "the top level of a module"),
+             (local, "is a local function or closure"), (_closure(1), "_closure.<locals>.inner' is a local"),
+             (functools.partial(local, 1), "fn 'partial' cannot be sent to the spawned ranks"),
+             (W.HoldsALock(), "fn 'HoldsALock' cannot be sent to the spawned ranks (cannot pickle '_thread.lock'"),
+             (3, "fn must be callable, got int")]
+    for fn, words in cases:
+        with pytest.raises(ValueError) as info:
+            dist.launch(fn, 2)
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    # a function of an interactive session or `python -c`: spawned ranks re-import __main__ from its file
+    monkeypatch.setattr(_local_function, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", None, raising=False)
+    with pytest.raises(ValueError, match=r"fn '_local_function' is defined in an interactive session or `python -c`"):
+        dist.launch(_local_function, 2)
+    with pytest.raises(ValueError, match=r"^the arguments of launch\(\) cannot be sent to the spawned ranks \("):
+        dist.launch(W.pid_worker, 2, lambda: 0)  # spawn pickles them before it starts a process
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4", None])
+def test_world_sizes_that_are_not_positive_integers_are_refused(bad, no_rank_starts):
+    with pytest.raises(ValueError, match=f"world_size must be a positive integer, got {bad!r}"):
+        dist.launch(W.pid_worker, bad)
+    with pytest.raises(ValueError, match=f"world_size must be a positive integer, got {bad!r}"):
+        dist.check_local_world(bad)
+
+
+def test_more_local_ranks_than_the_machine_holds_are_refused(monkeypatch, no_rank_starts):
+    """At most 4 ranks a CPU core, and 150 MiB a rank within the available memory; the variable
+    TENSORPAR_MAX_LOCAL_RANKS replaces both (train --dp 64 --tp 2 passed every check on 2 cores)."""
+    from tensorpar.dist import preflight
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(preflight, "_available_mib", lambda: 1 << 30)  # the CPU rule alone
+    dist.check_local_world(4 * cpus)
+    with pytest.raises(ValueError, match=rf"^world size {4 * cpus + 1} is more local ranks than this machine can "
+                                         rf"hold: {cpus} CPU cores allow at most {4 * cpus} \(4 a core\).*; use fewer "
+                                         rf"ranks, or set TENSORPAR_MAX_LOCAL_RANKS={4 * cpus + 1} to start them"):
+        dist.launch(W.pid_worker, 4 * cpus + 1)
+    monkeypatch.setattr(preflight, "_available_mib", lambda: 3 * preflight.RANK_MIB + 10)  # the memory rule
+    dist.check_local_world(min(3, 4 * cpus))
+    with pytest.raises(ValueError, match=r"world size 4 is more .* of available memory at most 3 \(150 MiB a rank\)"):
+        dist.check_local_world(4)
+    monkeypatch.setenv("TENSORPAR_MAX_LOCAL_RANKS", "10000")
+    dist.check_local_world(10_000)
+    with pytest.raises(ValueError, match="world size 10001 is more local ranks than TENSORPAR_MAX_LOCAL_RANKS=10000"):
+        dist.check_local_world(10_001)
+
+
+def test_the_memory_a_machine_has_is_read_from_the_kernel():
+    from tensorpar.dist import preflight
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemAvailable:"))
+    assert 0 < preflight._available_mib() <= free
+
+
+# Bad TENSORPAR_* values, each refused before any rank starts: (variable, value, expected words)
+ENV_ERRORS = [
+    ("TENSORPAR_TRANSPORT", "tcp", "valid: shm, gloo (or unset)"),
+    ("TENSORPAR_SHM_SLOT_BYTES", "1MiB", "valid: a multiple of 4096 from 4096 to 1073741824 (or unset)"),
+    ("TENSORPAR_SHM_SLOT_BYTES", "100", "valid: a multiple of 4096 from 4096 to 1073741824 (or unset)"),
+    ("TENSORPAR_SHM_SLOT_BYTES", "-4096", "valid: a multiple of 4096 from 4096 to 1073741824 (or unset)"),
+    ("TENSORPAR_CHECK_COLLECTIVES", "yes", "valid: 0, 1 (or unset)"),
+    ("TENSORPAR_RENDEZVOUS", "tcp", "valid: env, local (or unset)"),
+    ("TENSORPAR_RENDEZVOUS_TIMEOUT", "soon", "valid: a number of seconds >= 0.1 (or unset)"),
+    ("TENSORPAR_RENDEZVOUS_TIMEOUT", "nan", "valid: a number of seconds >= 0.1 (or unset)"),
+    ("TENSORPAR_MAX_LOCAL_RANKS", "0", "valid: an integer from 1 to 1048576 (or unset)"),
+    ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "1", "valid: a number of seconds >= 3 (or unset)"),
+]
+
+
+def test_bad_tensorpar_variables_are_refused_naming_variable_value_and_choices(monkeypatch, no_rank_starts):
+    for name, value, words in ENV_ERRORS:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError) as info:
+            dist.launch(W.pid_worker, 2)
+        assert str(info.value) == f"environment variable {name}={value!r} is not valid; {words}", str(info.value)
+        monkeypatch.delenv(name)
+
+
+def test_tensorpar_variables_are_read_as_documented(monkeypatch):
+    from tensorpar.dist import settings
+    for name, value, expect in [("TENSORPAR_TRANSPORT", " GLOO ", "gloo"), ("TENSORPAR_TRANSPORT", "", "shm"),
+                                ("TENSORPAR_SHM_SLOT_BYTES", "65536", 65536), ("TENSORPAR_SHM_SLOT_BYTES", "", 1 << 20),
+                                ("TENSORPAR_CHECK_COLLECTIVES", "1", True), ("TENSORPAR_CHECK_COLLECTIVES", "0", False),
+                                ("TENSORPAR_RENDEZVOUS_TIMEOUT", "2.5", 2.5), ("TENSORPAR_RENDEZVOUS_TIMEOUT", "", 30.0),
+                                ("TENSORPAR_MAX_LOCAL_RANKS", "12", 12), ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "600", 600.0)]:
+        monkeypatch.setenv(name, value)
+        reader = {"TENSORPAR_TRANSPORT": settings.transport, "TENSORPAR_SHM_SLOT_BYTES": settings.shm_slot_bytes,
+                  "TENSORPAR_CHECK_COLLECTIVES": settings.check_collectives,
+                  "TENSORPAR_RENDEZVOUS_TIMEOUT": settings.rendezvous_timeout,
+                  "TENSORPAR_MAX_LOCAL_RANKS": settings.max_local_ranks,
+                  "TENSORPAR_UNRESPONSIVE_TIMEOUT": settings.unresponsive_timeout}[name]
+        assert reader() == expect, (name, value)
+    # every variable the package reads that changes how ranks run goes through one checked reader
+    import re
+    package = Path(dist.__file__).resolve().parents[1]
+    read = {m for path in package.rglob("*.py") for m in re.findall(r"TENSORPAR_[A-Z_]+", path.read_text())
+            if path.name not in ("settings.py",)}
+    checked = set(re.findall(r"TENSORPAR_[A-Z_]+", (package / "dist" / "settings.py").read_text()))
+    assert read - checked <= {"TENSORPAR_TRACEBACK", "TENSORPAR_COVERAGE"}, read - checked
+
+
+# Leftovers of another job, each refused at once (no rendezvous tried): (variables, expected words)
+TORCHRUN_LEFTOVERS = [
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4; pass world_size=4; RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT make"),
+    ({}, "but torchrun did not start this process (no TORCHELASTIC_RUN_ID): if they are left over from an earlier "
+         "job, unset them (`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`) or set TENSORPAR_RENDEZVOUS=local"),
+    ({"RANK": "5"}, "RANK=5 is not below WORLD_SIZE=2"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT='http' is not an integer"),
+]
+
+
+def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch, no_rank_starts):
+    """torchrun's variables without torchrun's agent (no TORCHELASTIC_RUN_ID) cost 30-38 s before
+    anything happened: refused at once now, saying what to unset or set."""
+    base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"WORLD_SIZE=4; pass world_size=4.*unset RANK WORLD_SIZE"):
-        dist.launch(W.pid_worker, 2)
-    assert time.monotonic() - t0 < 2  # at once: no rendezvous was tried
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(rendezvous, "RENDEZVOUS_S", 2.0)
+    for more, words in TORCHRUN_LEFTOVERS:
+        for k, v in {**base, **more}.items():
+            monkeypatch.setenv(k, v)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            dist.launch(W.pid_worker, 2)
+        assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+        assert time.monotonic() - t0 < 2  # at once: no rendezvous was tried
+    # processes started by hand join when told to, and a peer that never comes is reported
+    for k, v in {**base, "TENSORPAR_RENDEZVOUS": "env", "TENSORPAR_RENDEZVOUS_TIMEOUT": "2"}.items():
+        monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=r"rank 0 of 2: no rendezvous at 127.0.0.1:29999 within 2s"):
         dist.launch(W.pid_worker, 2)
     assert time.monotonic() - t0 < 15
+
+
+# ---- hangs: every group waits at most the launch's timeout; stopped, silent and stuck ranks named ----
+
+def test_every_group_a_rank_makes_waits_the_launchs_timeout():
+    """Groups made without a timeout of their own took torch's 30-minute default (a rank whose
+    mesh peer never came waited half an hour); each now takes the launch's, 7 s here. And a
+    launch from inside a rank is refused before it starts anything."""
+    for timeouts, nested in dist.launch(W.group_timeouts_worker, 4, timeout=7, deadline=180):
+        assert set(timeouts) == {"world", "tensorpar new_group", "tensorpar new_group gloo", "torch new_group",
+                                 "torch new_group gloo", "mesh dp", "mesh tp", "new_subgroups"}, timeouts
+        for kind, seconds in timeouts.items():
+            assert all(s == 7.0 for s in seconds), (kind, seconds)
+        assert timeouts["tensorpar new_group"][0] == 7.0  # a shared-memory segment, waiting 7 s too
+        assert nested.startswith("launch() called inside rank") and "a rank cannot start ranks of its own" in nested
+
+
+def _since(directory, name) -> float:
+    return time.time() - float((directory / name).read_text())
+
+
+# A rank that raised at its timeout is reported after the launcher's 1 s grace for its peers'
+# messages; stopping 4 ranks takes up to a few seconds on a loaded 2-core machine.
+STUCK_BOUND_S = 10.0
+
+
+def test_a_mesh_peer_that_never_comes_ends_the_launch_at_its_timeout_naming_it(tmp_path):
+    """dp 2 x tp 2, launch(timeout=3): rank 0 all-reduces on its tp sub-group, rank 1 never comes.
+    The job ends within timeout + STUCK_BOUND_S of rank 0 entering (it did not end within 90 s),
+    naming rank 1 as the stuck one, not the rank that waited."""
+    with pytest.raises(dist.RankStuckError) as info:
+        dist.launch(W.mesh_peer_never_comes_worker, 4, str(tmp_path), timeout=3, deadline=120)
+    waited = _since(tmp_path, "entered")
+    message = str(info.value)
+    assert info.value.rank == 1 and message.startswith("rank 1 is stuck: rank 0 has waited"), message
+    assert "on group [0, 1] from model.layers.0.mlp for rank 1 that never came: rank 1 in no collective yet" in message
+    assert "timed out" in message.lower(), message  # rank 0's own error, kept
+    assert 3 <= waited < 3 + STUCK_BOUND_S, waited
+    assert _ranks_gone(tmp_path, 2)
+
+
+def test_a_group_with_a_longer_timeout_of_its_own_is_still_bounded_by_the_launch(tmp_path):
+    """A group made with timeout=1 h: its wait would outlast the launch's timeout (2 s); the
+    launcher ends it STUCK_GRACE_S past that (checked every 0.5 s), naming the peer that never came."""
+    from tensorpar.dist import monitor
+    with pytest.raises(dist.RankStuckError) as info:
+        dist.launch(W.long_timeout_group_worker, 2, str(tmp_path), timeout=2, deadline=60)
+    waited = _since(tmp_path, "entered")
+    message = str(info.value)
+    assert info.value.rank == 1 and "for rank 1 that never came" in message, message
+    assert "past the launch's timeout of 2s" in message, message
+    assert 2 + monitor.STUCK_GRACE_S <= waited < 2 + monitor.STUCK_GRACE_S + STUCK_BOUND_S, waited
+    assert _ranks_gone(tmp_path, 2)
+
+
+@pytest.mark.parametrize("timeout", [20, 4])
+def test_a_stopped_rank_is_named_as_stopped_within_seconds_not_as_a_mismatch(tmp_path, timeout):
+    """Rank 1 is SIGSTOPped with its slot still "in all_reduce #2" while rank 0 waits in #3. With
+    a 20 s collective timeout the launcher ends the launch liveness.STOPPED_S after the stop (plus
+    the 0.5 s poll and the stop of the ranks); with 4 s, rank 0's timeout comes first, after the
+    flight recorder's 3 s settling time: either way rank 1 is named as stopped, not as "in
+    different collectives" (what was once reported)."""
+    from tensorpar.dist import liveness
+    with pytest.raises(dist.RankUnresponsiveError) as info:
+        dist.launch(W.stopped_rank_worker, 2, str(tmp_path), timeout=timeout, deadline=60)
+    after = _since(tmp_path, "stopped")
+    message = str(info.value)
+    assert info.value.rank == 1 and "is stopped (/proc state 'T'" in message, message
+    assert "different collectives" not in message, message
+    assert "rank 0 in all_reduce #3" in message and "rank 1 in all_reduce #2" in message, message
+    if timeout == 4:
+        assert "(then rank 0 failed: " in message and "timed out" in message.lower(), message
+    first = min(timeout, liveness.STOPPED_S)
+    assert first <= after < first + STUCK_BOUND_S, after
+    assert _ranks_gone(tmp_path, 2)
+
+
+def test_a_rank_that_stops_running_without_being_stopped_is_named_by_its_heartbeat(tmp_path, monkeypatch):
+    """Rank 1 holds the GIL in native code: /proc says it sleeps, but its heartbeat stops.
+    TENSORPAR_UNRESPONSIVE_TIMEOUT=3 (the default, 30 s, is too long for a test): named within
+    3 s + a heartbeat period + the poll + the stop."""
+    monkeypatch.setenv("TENSORPAR_UNRESPONSIVE_TIMEOUT", "3")
+    with pytest.raises(dist.RankUnresponsiveError) as info:
+        dist.launch(W.silent_rank_worker, 2, str(tmp_path), timeout=20, deadline=60)
+    after = _since(tmp_path, "silent")
+    message = str(info.value)
+    assert info.value.rank == 1 and "no heartbeat" in message and "/proc state 'S'" in message, message
+    assert 3 <= after < 3 + STUCK_BOUND_S, after
+    assert _ranks_gone(tmp_path, 2)
+
+
+# Through the command line, refused before any rank starts: (argv, expected words); "{out}" is a
+# fresh folder. 8192 ranks exceed 4 a core and 150 MiB a rank on any machine this runs on.
+LAUNCH_CLI_ERRORS = [
+    (["train", "--dp", "4096", "--tp", "2", "--batch", "4096", "--steps", "1", "--out", "{out}"],
+     "world size 8192 is more local ranks than this machine can hold"),
+]
+
+
+def test_launch_refusals_reach_the_command_line_as_one_line(tmp_path, no_rank_starts):
+    from tests._cli_batch import run_all
+    for (argv, words), res in zip(LAUNCH_CLI_ERRORS,
+                                  run_all([[a.format(out=tmp_path / "out") for a in argv] for argv, _ in LAUNCH_CLI_ERRORS])):
+        lines = res["stderr"].strip().splitlines()
+        assert res["rc"] == 2 and len(lines) == 1 and words in lines[0] and not res["stdout"], res

@@ -7,7 +7,9 @@ from tensorpar.dist.collectives import all_gather, all_reduce, broadcast, reduce
 from tensorpar.dist.flight import CollectiveMismatchError, check_collectives
 from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
                                    get_backend, get_rank, get_world_size, is_initialized, new_group)
-from tensorpar.dist.launcher import LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, launch
+from tensorpar.dist.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, RankStuckError,
+                                     RankUnresponsiveError, launch)
+from tensorpar.dist.preflight import check_local_world, check_world
 from tensorpar.dist.rendezvous import init_from_env, resolve_backend
 from tensorpar.dist.shm import transport
 from tensorpar.dist.shm_segment import ShmPeerError
@@ -25,6 +27,7 @@ from tensorpar.dist.mappings import (
 
 __all__ = [
     "launch", "init_from_env", "resolve_backend", "RankFailedError", "LaunchTimeoutError",
+    "RankStuckError", "RankUnresponsiveError", "check_local_world", "check_world",
     "CollectiveMismatchError", "MismatchedCollectivesError", "check_collectives",
     "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "all_gather_object",
     "is_initialized", "transport", "ShmPeerError",

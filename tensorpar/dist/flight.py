@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import struct
 import time
 
 import torch
 import torch.distributed as tdist
+
+from tensorpar.dist import settings
 
 SLOT_BYTES = 1024
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "broadcast_object",
@@ -43,7 +44,7 @@ _VIEW = None  # its bytes
 _SEQ: dict = {}  # group ranks -> collectives issued on it
 _OWN = [False]  # between enter and leave of one of tensorpar's own collectives
 _GROUP_RANKS: dict = {}
-_CHECK = [os.environ.get("TENSORPAR_CHECK_COLLECTIVES", "") not in ("", "0")]
+_CHECK = [None]  # None: not yet read from TENSORPAR_CHECK_COLLECTIVES (read at the first collective, not at import)
 # Two ranks of a group in different collectives for this long cannot be one still leaving the
 # previous collective (that takes microseconds to milliseconds): the schedules differ.
 SETTLE_S = 3.0
@@ -143,12 +144,15 @@ def enter(op: str, tensor: torch.Tensor | None, group, module: str | None = None
     _OWN[0] = True
     ranks = _ranks_of(group)
     seq = _SEQ[ranks] = _SEQ.get(ranks, 0) + 1
-    if _SLOT is None and not _CHECK[0]:
+    check = _CHECK[0]
+    if check is None:
+        check = _CHECK[0] = settings.check_collectives()
+    if _SLOT is None and not check:
         return seq
     call = _CALLS.get((op, tensor.shape, tensor.dtype, ranks, module) if tensor is not None else (op, ranks, module))
     if call is None:
         call = _call(op, tensor, ranks, module)
-    if _CHECK[0]:  # reported as "checking" first: a mismatch is the ranks' to name, with both calls
+    if check:  # reported as "checking" first: a mismatch is the ranks' to name, with both calls
         if _SLOT is not None:
             _write("checking", seq, call)
         _check_signature({"seq": seq, "op": op, "shape": list(call[1]), "dtype": call[2], "group": list(ranks),
@@ -190,8 +194,7 @@ def _call(op: str, tensor: torch.Tensor | None, ranks: tuple, module: str | None
 def describe(state: dict | None) -> str:
     if state is None:
         return "no collective yet"
-    call = (f"{state['op']} #{state['seq']} {state['dtype']}{state['shape']} on group {state['group']}"
-            + (f" from {state['module']}" if state.get("module") else ""))
+    call = _call_text(state)
     if "t" not in state:  # a peer's call, as its rank described it
         return f"in {call}"
     ago = time.time() - state["t"]
@@ -200,6 +203,11 @@ def describe(state: dict | None) -> str:
     if state["state"] == "checking":
         return f"in {call}, exchanging its signature, for {ago:.1f}s"
     return f"not in a collective for {ago:.1f}s (last: {call})"
+
+
+def _call_text(state: dict) -> str:
+    return (f"{state['op']} #{state['seq']} {state['dtype']}{state['shape']} on group {state['group']}"
+            + (f" from {state['module']}" if state.get("module") else ""))
 
 
 def find_mismatch(states: dict, settle_s: float = SETTLE_S) -> str | None:
@@ -219,6 +227,47 @@ def find_mismatch(states: dict, settle_s: float = SETTLE_S) -> str | None:
                 return _mismatch_message(a, sa, b, sb, "are in different collectives of one group "
                                          "(one issued a collective the other did not)")
     return None
+
+
+def find_stuck(states: dict, returned, waited_s: float) -> tuple[int, str] | None:
+    """``(rank, message)`` for the first rank of a group that one of its peers has waited for in
+    a collective for ``waited_s`` or longer; None if no rank has waited that long, or every peer
+    of the waiting rank is in the same collective (then the backend, not a rank, is stuck).
+
+    ``states``: ``{rank: read(slot)}`` of the ranks still running; ``returned``: those that have
+    returned (a peer that returned will never come)."""
+    now = time.time()
+    for rank, state in sorted(states.items()):
+        if state is not None and state["state"] in ("in", "checking") and now - state["t"] >= waited_s:
+            found = stuck_peer(rank, states, returned)
+            if found is not None:
+                return found
+    return None
+
+
+def stuck_peer(rank: int, states: dict, returned) -> tuple[int, str] | None:
+    """``(peer, message)``: the first peer of ``rank``'s group that is not in the collective
+    ``rank`` is in (it is elsewhere, stopped short of it, or has returned); None if all are."""
+    state = states.get(rank)
+    if state is None or state["state"] not in ("in", "checking"):
+        return None
+    absent = [p for p in state["group"] if p != rank and not _in_same(state, states.get(p), p in returned)]
+    if not absent:
+        return None
+    where = "; ".join(f"rank {p} " + ("returned without issuing it" if p in returned
+                                      else describe(states[p]) if states.get(p) else "in no collective yet")
+                      for p in absent)
+    return absent[0], (f"rank {rank} has waited {time.time() - state['t']:.1f}s in {_call_text(state)} "
+                       f"for {_plural(absent)} that never came: {where}")
+
+
+def _in_same(state: dict, peer: dict | None, returned: bool) -> bool:
+    return (not returned and peer is not None and peer["state"] in ("in", "checking")
+            and peer["group"] == state["group"] and peer["seq"] == state["seq"])
+
+
+def _plural(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def _signature(state: dict) -> tuple:

@@ -18,6 +18,14 @@ The flight recorder (:mod:`tensorpar.dist.flight`) tells the parent which collec
 in: two ranks in different collectives of one group stop the launch within seconds with
 :class:`~tensorpar.dist.flight.CollectiveMismatchError` naming both calls, and every failure or
 timeout says where each rank was (a rank in no collective while its peers wait is the stuck one).
+The launcher's watch (:mod:`tensorpar.dist.monitor`) also ends a launch whose rank is stopped or
+silent (:class:`RankUnresponsiveError`, in seconds: :mod:`tensorpar.dist.liveness`) or has left
+its peers waiting past the timeout (:class:`RankStuckError`); every group a rank makes waits at
+most ``timeout`` (:func:`~tensorpar.dist.rendezvous.bound_group_timeouts`).
+
+Before any process starts, :mod:`tensorpar.dist.preflight` refuses what cannot work: a function
+the ranks cannot import, a launch inside a rank, more ranks than the machine holds, bad
+``TENSORPAR_*`` variables, torchrun's variables left over from another job.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import queue
 import signal
 import tempfile
@@ -37,39 +46,23 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import flight
+from tensorpar.dist import flight, liveness, preflight
+from tensorpar.dist.monitor import (LaunchTimeoutError, MismatchedCollectivesError, Monitor, RankFailedError,
+                                    RankStuckError, RankUnresponsiveError)
 from tensorpar.dist.reaper import Reaper
 from tensorpar.dist.shm_segment import sweep_stale
-from tensorpar.dist.rendezvous import (_LEFTOVER, _RDZV_PREFIX, _env_int, _init_group, _sweep_stale_rendezvous,
-                                       init_from_env, resolve_backend, under_torchrun)
+from tensorpar.dist.rendezvous import (_RDZV_PREFIX, _init_group, _sweep_stale_rendezvous, init_from_env,
+                                       resolve_backend, under_torchrun)
+
+__all__ = ["launch", "RankFailedError", "RankStuckError", "RankUnresponsiveError", "LaunchTimeoutError",
+           "MismatchedCollectivesError"]
 
 _POLL_S = 0.05
-_FLIGHT_POLL_S = 0.5
+_WATCH_POLL_S = 0.5
 # A launch with no deadline of its own ends after an hour: a hang never outlives its launcher.
 # Pass ``deadline=None`` for a job meant to run longer.
 DEFAULT_DEADLINE_S = 3600.0
 _DEFAULT = object()
-
-
-class RankFailedError(RuntimeError):
-    """A rank raised or died; the launch was stopped. ``rank``, ``exc_type``, ``detail`` say which and why."""
-
-    def __init__(self, rank: int, exc_type: str, detail: str, remote_traceback: str = ""):
-        self.rank, self.exc_type, self.detail, self.remote_traceback = rank, exc_type, detail, remote_traceback
-        msg = f"rank {rank} failed: {exc_type}: {detail}"
-        super().__init__(msg + (f"\n--- traceback on rank {rank} ---\n{remote_traceback}" if remote_traceback else ""))
-
-
-class LaunchTimeoutError(TimeoutError):
-    """The launch ran past its deadline; every rank was stopped."""
-
-
-class MismatchedCollectivesError(RankFailedError):
-    """Two ranks of one group were in different collectives; the launch was stopped."""
-
-    def __init__(self, message: str):
-        RuntimeError.__init__(self, message)
-        self.rank, self.exc_type, self.detail, self.remote_traceback = -1, "CollectiveMismatchError", message, ""
 
 
 def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 120.0,
@@ -82,33 +75,45 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
     tensors come back on the CPU.
     """
     deadline = DEFAULT_DEADLINE_S if deadline is _DEFAULT else deadline
-    _check_launch_args(fn, world_size, timeout, deadline)
+    preflight.check_launch(fn, world_size, timeout, deadline)
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     backend = resolve_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     results = _Inbox(ctx, world_size)
     slots = [flight.new_slot(ctx) for _ in range(world_size)]
+    beats = [liveness.new_beat(ctx) for _ in range(world_size)]
     _sweep_stale_rendezvous()
     with tempfile.TemporaryDirectory(prefix=f"{_RDZV_PREFIX}{os.getpid()}-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
                              args=(rank, world_size, store, backend, timeout, fn, args, results.sender(rank),
-                                   slots[rank]))
+                                   slots[rank], beats[rank]))
                  for rank in range(world_size)]
         reaper = Reaper()  # stops the ranks' groups and removes tmp if this process dies without doing it
         reaper.folder(tmp)
         try:
-            for rank, p in enumerate(procs):
-                p.start()
-                results.started(rank)
-                reaper.add(p.pid)
-            return _collect(procs, results, deadline, slots)
+            _start(procs, results, reaper)
+            return _collect(procs, results, deadline, Monitor([p.pid for p in procs], slots, beats, timeout))
         finally:
             _stop_all(procs)
             sweep_stale()  # a segment a rank made and died before unlinking
             reaper.done()
             results.close()
+
+
+def _start(procs, results, reaper) -> None:
+    for rank, p in enumerate(procs):
+        try:
+            p.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            if rank:  # rank 0 took the same arguments: not a pickling problem
+                raise
+            # spawn pickles fn and args before it starts a process: nothing runs yet
+            raise ValueError(f"the arguments of launch() cannot be sent to the spawned ranks "
+                             f"({str(exc).splitlines()[0][:200]}); pass picklable values") from None
+        results.started(rank)
+        reaper.add(p.pid)
 
 
 class _Inbox:
@@ -145,20 +150,10 @@ class _Inbox:
             conn.close()
 
 
-def _check_launch_args(fn, world_size, timeout, deadline) -> None:
-    if not callable(fn):
-        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-    if deadline is not None and not deadline > 0:
-        raise ValueError(f"deadline must be positive seconds or None, got {deadline!r}")
-
-
-def _collect(procs, results, deadline, slots=None) -> list:
-    out, t_end = {}, (time.monotonic() + deadline) if deadline else None
-    t_flight = time.monotonic()
+def _collect(procs, results, deadline, monitor: Monitor | None = None) -> list:
+    out = monitor.out if monitor is not None else {}
+    t_end = (time.monotonic() + deadline) if deadline else None
+    t_watch = time.monotonic()
     while len(out) < len(procs):
         failure = _receive(results, out, wait=_POLL_S)
         dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
@@ -166,50 +161,15 @@ def _collect(procs, results, deadline, slots=None) -> list:
             # A rank that exited may just have sent its result: only a real failure stops the launch.
             failure = _root_cause(procs, results, out, failure)
             if failure is not None:
-                raise _with_flight(failure, slots, out)
-        if slots is not None and time.monotonic() > t_flight:
-            t_flight = time.monotonic() + _FLIGHT_POLL_S
-            mismatch = flight.find_mismatch(_states(slots, out))
-            if mismatch:
-                raise MismatchedCollectivesError(mismatch)
+                raise monitor.explain(failure) if monitor is not None else failure
+        if monitor is not None and time.monotonic() > t_watch:
+            t_watch = time.monotonic() + _WATCH_POLL_S
+            monitor.check()
         if t_end is not None and time.monotonic() > t_end:
             missing = [r for r in range(len(procs)) if r not in out]
             raise LaunchTimeoutError(f"launch passed its deadline of {deadline:g}s; ranks {missing} "
-                                     f"had not finished and were stopped" + _where(slots, out))
+                                     f"had not finished and were stopped" + (monitor.where() if monitor else ""))
     return [out[r] for r in range(len(procs))]
-
-
-def _states(slots, out) -> dict:
-    """``{rank: its flight-recorder state}`` for the ranks that have not returned."""
-    return {r: flight.read(slot) for r, slot in enumerate(slots) if r not in out}
-
-
-def _where(slots, out) -> str:
-    if slots is None:
-        return ""
-    states = _states(slots, out)
-    return "; where each rank was: " + "; ".join(f"rank {r} {flight.describe(s)}" for r, s in states.items())
-
-
-def _with_flight(failure: RankFailedError, slots, out) -> RankFailedError:
-    """The failure, with a mismatch the recorder saw as its cause, else where every rank was; a
-    rank that found a mismatch itself (the rank-side check, the shared-memory transport) makes it a
-    :class:`MismatchedCollectivesError` too."""
-    if slots is None:
-        return failure
-    states = _states(slots, out)
-    mismatch = flight.find_mismatch(states)
-    if mismatch and failure.exc_type != "CollectiveMismatchError":
-        return MismatchedCollectivesError(f"{mismatch} (then rank {failure.rank} failed: {failure.exc_type}: "
-                                          f"{failure.detail.splitlines()[0][:300]})")
-    if any(s is not None for s in states.values()):
-        failure.detail += _where(slots, out)
-        failure.args = (f"rank {failure.rank} failed: {failure.exc_type}: {failure.detail}"
-                        + (f"\n--- traceback on rank {failure.rank} ---\n{failure.remote_traceback}"
-                           if failure.remote_traceback else ""),)
-    if failure.exc_type == "CollectiveMismatchError":
-        return MismatchedCollectivesError(f"rank {failure.rank}: {failure.detail}")
-    return failure
 
 
 def _receive(results, out: dict, wait: float) -> "RankFailedError | None":
@@ -225,7 +185,8 @@ def _receive(results, out: dict, wait: float) -> "RankFailedError | None":
 
 
 # gloo/NCCL messages of a rank that only saw its peer go away: a consequence, not the cause.
-_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "timed out", "Timeout")
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "timed out", "Timeout",
+              "Timed out")
 
 
 def _root_cause(procs, results, out, first) -> "RankFailedError | None":
@@ -262,6 +223,7 @@ def _stop_all(procs) -> None:
     procs = [p for p in procs if p.pid is not None]  # a start that failed left later ranks unstarted
     for p in procs:
         _signal_group(p, signal.SIGTERM)
+        _signal_group(p, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
     for p in procs:
         p.join(timeout=5)
         _signal_group(p, signal.SIGKILL)  # the rank if it ignored SIGTERM, and any child left behind
@@ -279,7 +241,10 @@ def _signal_group(p, sig) -> None:
         os.killpg(p.pid, sig)  # the rank's group: the rank and the processes it started
     except (ProcessLookupError, PermissionError):
         if p.is_alive():  # the rank had not made its group yet
-            p.terminate() if sig == signal.SIGTERM else p.kill()
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 def _die_with_parent() -> None:
@@ -289,12 +254,14 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's terminate/kill still stops this rank
 
 
-def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None) -> None:
+def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None, beat=None) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
     os.setpgid(0, 0)  # a group of its own: the launcher stops the rank with whatever it starts
     if slot is not None:
         flight.install(slot)
+    if beat is not None:
+        liveness.start_heartbeat(beat)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -324,12 +291,8 @@ def _to_cpu(value):
 
 
 def _run_under_torchrun(fn, world_size, args, backend, timeout) -> list:
-    env_world = _env_int("WORLD_SIZE")
-    if env_world != world_size:  # checked before any rendezvous: nothing waits
-        raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}; "
-                         f"pass world_size={env_world}{_LEFTOVER}")
-    init_from_env(backend, timeout)
+    init_from_env(backend, timeout)  # preflight checked WORLD_SIZE and who set the variables
     value = _to_cpu(fn(*args))
-    gathered = [None] * env_world
+    gathered = [None] * world_size
     tdist.all_gather_object(gathered, value)
     return gathered

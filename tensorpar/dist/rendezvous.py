@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import shm
+from tensorpar.dist import settings, shm
 from tensorpar.dist.reaper import sweep_dead
 
 BACKENDS = ("auto", "shm", "gloo", "nccl")
@@ -36,14 +36,30 @@ def resolve_backend(backend: str, world_size: int) -> str:
     return backend
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in _TORCHRUN_VARS)
-
-# Seconds the ranks of an environment torchrun's agent did not set up (no TORCHELASTIC_RUN_ID)
-# wait for each other: long enough for a launcher starting processes by hand, short enough that
-# variables left over from an earlier torchrun are reported instead of blocking for `timeout`.
-RENDEZVOUS_S = float(os.environ.get("TENSORPAR_RENDEZVOUS_TIMEOUT", "30"))
+    """Whether torchrun's variables describe a job this process belongs to (whether a launch
+    joins it rather than starting local ranks); ``TENSORPAR_RENDEZVOUS=local`` says they do not."""
+    return all(k in os.environ for k in _TORCHRUN_VARS) and settings.rendezvous() != "local"
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+def check_torchrun_env(world_size: int) -> None:
+    """Before any rendezvous, for a launch of ``world_size`` ranks :func:`under_torchrun`: the
+    variables are whole numbers, ``WORLD_SIZE`` is the launch's, and torchrun's agent set them
+    (``TORCHELASTIC_RUN_ID``) or ``TENSORPAR_RENDEZVOUS=env`` says to join them anyway. Variables
+    left over from an earlier job are found here at once, not after a rendezvous timed out."""
+    env_world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    _env_int("MASTER_PORT")
+    if env_world != world_size:
+        raise ValueError(f"launch(world_size={world_size}) under torchrun with WORLD_SIZE={env_world}; "
+                         f"pass world_size={env_world}{_LEFTOVER}")
+    if not 0 <= rank < env_world:
+        raise ValueError(f"RANK={rank} is not below WORLD_SIZE={env_world}{_LEFTOVER}")
+    if "TORCHELASTIC_RUN_ID" not in os.environ and settings.rendezvous() != "env":
+        raise ValueError("RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, but torchrun did not start this "
+                         "process (no TORCHELASTIC_RUN_ID): if they are left over from an earlier job, unset them "
+                         "(`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`) or set TENSORPAR_RENDEZVOUS=local to "
+                         "start local ranks; to join processes started without torchrun, set "
+                         "TENSORPAR_RENDEZVOUS=env")
 
 def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, int]:
     """Join the process group torchrun describes (env://); returns ``(rank, world_size)``."""
@@ -60,6 +76,7 @@ def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, i
         tdist.init_process_group(backend, init_method=None if store else "env://", store=store,
                                  rank=rank if store else -1, world_size=world_size if store else -1,
                                  timeout=datetime.timedelta(seconds=timeout))
+        bound_group_timeouts(datetime.timedelta(seconds=timeout))  # before any sub-group is made
         # A process that exits with its group alive can abort in the backend's teardown
         # ("terminate called without an active exception"): leave the group on the way out.
         atexit.register(_destroy_if_initialized)
@@ -67,7 +84,7 @@ def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, i
 
 _LEFTOVER = ("; RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT make tensorpar join a torchrun job. If they "
              "are left over from an earlier one, unset them (`unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`) "
-             "to launch local ranks")
+             "or set TENSORPAR_RENDEZVOUS=local to launch local ranks")
 
 def _env_int(name: str) -> int:
     try:
@@ -76,15 +93,29 @@ def _env_int(name: str) -> int:
         raise ValueError(f"{name}={os.environ[name]!r} is not an integer{_LEFTOVER}") from None
 
 def _rendezvous(rank: int, world_size: int):
-    """The TCP store at MASTER_ADDR:MASTER_PORT, every rank joined within ``RENDEZVOUS_S``."""
-    addr, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT")
+    """The TCP store at MASTER_ADDR:MASTER_PORT, every rank joined within
+    ``TENSORPAR_RENDEZVOUS_TIMEOUT`` seconds (default 30): long enough for processes started by
+    hand, short enough that a peer that never starts is reported instead of waited on for
+    ``timeout``."""
+    addr, port, wait_s = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), settings.rendezvous_timeout()
     try:
         return tdist.TCPStore(addr, port, world_size, is_master=rank == 0, wait_for_workers=True,
-                              timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
+                              timeout=datetime.timedelta(seconds=wait_s))
     except (RuntimeError, TimeoutError, OSError) as exc:
-        raise ValueError(f"rank {rank} of {world_size}: no rendezvous at {addr}:{port} within {RENDEZVOUS_S:g}s "
+        raise ValueError(f"rank {rank} of {world_size}: no rendezvous at {addr}:{port} within {wait_s:g}s "
                          f"({str(exc).splitlines()[0][:120]}){_LEFTOVER}; or set "
                          f"TENSORPAR_RENDEZVOUS_TIMEOUT to wait longer") from None
+
+def bound_group_timeouts(timeout: datetime.timedelta) -> None:
+    """Make ``timeout`` the wait of every group this process makes without a timeout of its own.
+
+    Only the world group is given the launch's timeout explicitly; torch gives the others
+    (``new_group``, ``init_device_mesh``'s dimensions, FSDP's and DCP's groups, tensorpar's
+    :func:`~tensorpar.dist.groups.new_group`) its process-wide default, 30 minutes: a rank whose
+    sub-group peer never came waited half an hour. Set in a rank's own process, before any group."""
+    import torch.distributed.distributed_c10d as c10d
+    c10d.default_pg_timeout = timeout
+    c10d.default_pg_nccl_timeout = timeout
 
 def _destroy_if_initialized() -> None:
     if tdist.is_initialized():
@@ -110,6 +141,7 @@ def _init_group(backend, store_path, rank, world_size, timeout) -> None:
     every rank leaves the group and all try again under a fresh key prefix. A last barrier
     keeps any rank from returning while a peer is still connecting.
     """
+    bound_group_timeouts(timeout)
     base = tdist.FileStore(store_path, world_size)
     base.set_timeout(timeout)
     for attempt in range(_INIT_ATTEMPTS):
