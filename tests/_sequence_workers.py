@@ -157,27 +157,47 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def dropout_worker():
-    """GPT-2 with dropout, in training mode, split at tp 4, each rank's default generator seeded
-    alike: digests of what each rank drew, for the test to compare across ranks. Without sequence
-    parallelism: the attention-probability masks of its own heads (after dropout, eager attention)
-    and the residual stream after the last block (replicated: its masks must agree). With it: the
-    residual dropout's mask on its own sequence chunk. And the default generator's state after."""
+class _Dropouts(torch.overrides.TorchFunctionMode):
+    """Every dropout drawn while it is active: ``(input != 0, output != 0)``, flat, in call order."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
+            x = args[0]
+            self.draws.append(((x != 0).detach().flatten(), (out != 0).detach().flatten(), x.dim()))
+        return out
+
+
+def dropout_worker(steps=2):
+    """GPT-2 with dropout everywhere (embeddings, attention probabilities, both residual branches),
+    eager attention, in training mode, at tp 4 (the world) and tp 2 (pairs [0, 1] and [2, 3]),
+    with and without sequence parallelism: every mask each rank draws in ``steps`` training
+    forwards, in order; a digest of the last block's output (the residual stream) and of the
+    default generator's state after them, for the test to compare across ranks. The default
+    generator is seeded 11 before ``parallelize`` (whose tracker takes ``initial_seed() + 2718 +
+    tp_rank``) and again before the first step."""
     warnings.filterwarnings("ignore")
-    dense = make_tiny_model("gpt2", seed=1, attn_pdrop=0.5, resid_pdrop=0.5)
-    dense.set_attn_implementation("eager")  # the attention weights come back after their dropout
+    rank = tdist.get_rank()
+    dense = make_tiny_model("gpt2", seed=1, attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.5)
+    dense.set_attn_implementation("eager")  # dropout on the attention probabilities, where a hook sees it
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out = {}
-    for sp in (False, True):
-        split = parallelize(copy.deepcopy(dense), sequence_parallel=sp).train()
-        seen = {}
-        h0 = split.transformer.h[0].attn.resid_dropout.register_forward_hook(
-            lambda m, a, o: seen.__setitem__("resid", o == 0))
-        h1 = split.transformer.h[-1].register_forward_hook(lambda m, a, o: seen.__setitem__("last", o[0] if isinstance(o, tuple) else o))
-        torch.manual_seed(11)
-        res = split(input_ids=_ids(split), output_attentions=True)
-        h0.remove()
-        h1.remove()
-        out[sp] = {"attn": _digest(res.attentions[0] == 0), "resid": _digest(seen["resid"]),
-                   "last": _digest(seen["last"].detach()), "rng": _digest(torch.get_rng_state()),
-                   "forked": "_tp_rng_fork" in split.__dict__}
+    for tp, group in ((4, None), (2, pairs[rank // 2])):
+        for sp in (False, True):
+            torch.manual_seed(11)
+            split = parallelize(copy.deepcopy(dense), tp_group=group, sequence_parallel=sp).train()
+            torch.manual_seed(11)
+            seen, last = _Dropouts(), []
+            hook = split.transformer.h[-1].register_forward_hook(lambda m, a, o: last.append(o[0] if isinstance(o, tuple) else o))
+            with seen:
+                for step in range(steps):
+                    split(input_ids=_ids(split, seed=3 + step))
+            hook.remove()
+            out[(tp, sp)] = {"draws": seen.draws, "last": _digest(last[-1].detach()),
+                             "rng": _digest(torch.get_rng_state()), "forked": "_tp_rng_fork" in split.__dict__}
     return out

@@ -230,3 +230,32 @@ def test_generate_refuses_what_it_cannot_run_before_any_step():
     # left padding does not count: two real tokens plus 62 new ones fill GPT-2's 64 positions
     ids, mask = torch.tensor([[0, 0, 7, 8]]), torch.tensor([[0, 0, 1, 1]])
     assert generate(make_tiny_model("gpt2", seed=1), ids, 62, attention_mask=mask).shape == (1, 66)
+
+
+# `tensorpar run` with prompt or stop ids a user mistypes: (argv, the words of the one line on
+# stderr, exit 2, before any rank starts); "{llama}" is the tiny Llama checkpoint (130 tokens).
+RUN_ID_ERRORS = [
+    (["run", "--model", "{llama}", "--prompt-ids", "1,,2"],
+     "--prompt-ids '1,,2' must be comma-separated integers, e.g. 1,2,3; item 2 is empty"),
+    (["run", "--model", "{llama}", "--prompt-ids", ",1"], "--prompt-ids ',1' must be comma-separated integers"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,"], "--prompt-ids '1,' must be comma-separated integers"),
+    (["run", "--model", "{llama}", "--prompt-ids", "a"], "item 1 is 'a'"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,-3"], "token ids must be a non-empty list of integers in "
+                                                           "[0, 130); invalid: [-3]"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,130"], "in [0, 130); invalid: [130]"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--eos-token-id", "5,,6"],
+     "--eos-token-id '5,,6' must be comma-separated integers, e.g. 1,2,3; item 2 is empty"),
+    (["run", "--model", "{llama}", "--prompt-ids", "1,2", "--eos-token-id", ""], "--eos-token-id '' names no token"),
+]
+
+
+def test_mistyped_ids_are_one_line_with_exit_code_2(tmp_path):
+    """Each case of RUN_ID_ERRORS through the command line's entry (tests._cli_batch, in this
+    process): exit 2, one line on stderr with its words, nothing on stdout. `1,,2` was read as `1,2`."""
+    from tensorpar.models.testing import make_tiny_checkpoint
+    from tests._cli_batch import run_all
+    llama = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    runs = run_all([[a.format(llama=llama) for a in args] for args, _ in RUN_ID_ERRORS])
+    for (args, words), run in zip(RUN_ID_ERRORS, runs):
+        lines = [ln for ln in run["stderr"].splitlines() if ln.strip()]
+        assert run["rc"] == 2 and len(lines) == 1 and words in lines[0] and run["stdout"] == "", (args, run)

@@ -3,8 +3,10 @@ real ranks: the split model against the dense one built from the same seed (outp
 parameter's gradient, float64), the collectives it issues against the planner's, the activation
 memory it saves, and what it refuses."""
 import functools
+import math
 
 import pytest
+import torch
 
 from tensorpar import dist
 from tests import _sequence_workers as W
@@ -117,27 +119,6 @@ def test_hidden_states_between_chunked_blocks_are_refused():
     assert "output_hidden_states=True needs a model parallelized without sequence_parallel" in refusals()["hidden_states"]
 
 
-@functools.lru_cache(maxsize=None)
-def dropout() -> list:
-    return dist.launch(W.dropout_worker, 4, deadline=300)
-
-
-def test_dropout_on_sharded_activations_draws_its_own_masks_on_each_rank():
-    """GPT-2 with dropout at tp 4, every rank's generator seeded alike. Each rank's heads (and,
-    with sequence parallelism, its chunk of the residual stream) get masks of their own, drawn
-    from a per-rank generator state (tensorpar.nn.regions.RngFork): with the shared generator
-    all four would repeat one pattern. What every rank holds alike, the residual stream without
-    sequence parallelism, gets the same masks on every rank, and the default generator stays in
-    step across ranks."""
-    results = dropout()
-    for sp in (False, True):
-        assert all(r[sp]["forked"] for r in results)
-        assert len({r[sp]["attn"] for r in results}) == 4, "attention masks repeat across ranks' heads"
-        assert len({r[sp]["rng"] for r in results}) == 1, "the default generators went out of step"
-    assert len({r[False]["last"] for r in results}) == 1, "the replicated residual stream differs across ranks"
-    assert len({r[True]["resid"] for r in results}) == 4, "residual masks repeat across sequence chunks"
-
-
 def test_example_inputs_reach_tp_tokens_when_the_default_is_shorter():
     """At tp 16 the proof's 12 default tokens are repeated up to 16 (the model takes 64)."""
     from tensorpar.models.testing import make_tiny_model
@@ -161,3 +142,79 @@ def test_sequence_parallel_must_be_a_bool():
     from tensorpar.models.testing import make_tiny_model
     with pytest.raises(ValueError, match="sequence_parallel must be True or False, got 'yes'"):
         parallelize(make_tiny_model("llama"), sequence_parallel="yes")
+
+
+@functools.lru_cache(maxsize=None)
+def dropout() -> list:
+    return dist.launch(W.dropout_worker, 4, deadline=600)
+
+
+def test_dropout_on_sharded_activations_draws_its_own_masks_on_each_rank():
+    """GPT-2 with dropout at tp 4, every rank's generator seeded alike. Each rank's heads (and,
+    with sequence parallelism, its chunk of the residual stream) get masks of their own, drawn
+    from a per-rank generator state (tensorpar.nn.regions.RngFork): with the shared generator
+    all four would repeat one pattern. What every rank holds alike, the residual stream without
+    sequence parallelism, gets the same masks on every rank, and the default generator stays in
+    step across ranks."""
+    by_sp = {sp: [r[(4, sp)] for r in dropout()] for sp in (False, True)}
+    for sp, ranks in by_sp.items():
+        assert all(r["forked"] for r in ranks)
+        attn = {_mask_digest(r["draws"][1]) for r in ranks}  # layer 0's attention probabilities
+        assert len(attn) == 4, "attention masks repeat across ranks' heads"
+        assert len({r["rng"] for r in ranks}) == 1, "the default generators went out of step"
+    assert len({r["last"] for r in by_sp[False]}) == 1, "the replicated residual stream differs across ranks"
+    resid = {_mask_digest(r["draws"][2]) for r in by_sp[True]}  # layer 0's attention branch, on a chunk
+    assert len(resid) == 4, "residual masks repeat across sequence chunks"
+
+
+def _mask_digest(draw) -> bytes:
+    return draw[1].numpy().tobytes()
+
+
+def _agreement(a, b):
+    """Fraction of positions where two draws keep alike, over their common flat prefix where both
+    inputs are nonzero (a zero input, e.g. a causally masked probability, shows no mask), and how
+    many positions that is."""
+    n = min(a[0].numel(), b[0].numel())
+    valid = a[0][:n] & b[0][:n]
+    count = int(valid.sum())
+    return (int((a[1][:n] == b[1][:n])[valid].sum()) / count if count else 0.0), count
+
+
+def _repeats(a, b) -> bool:
+    """Whether draw ``b`` repeats draw ``a`` (at p = 0.5). Two draws from one generator state keep
+    the same elements along their common prefix (CPU dropout draws element by element, whatever
+    the shape): agreement 1. Independent masks agree on each position with probability 1/2: over
+    n >= 64 positions, above 1/2 + 6 sigma (sigma = 1/(2 sqrt(n))) with probability below 1e-9."""
+    share, n = _agreement(a, b)
+    assert n >= 64, n  # enough positions to tell
+    return share > 0.5 + 3 / math.sqrt(n)
+
+
+def test_dropout_masks_never_repeat_between_regions_steps_or_ranks():
+    """GPT-2 with dropout everywhere at tp 4 and tp 2, with and without sequence parallelism, two
+    training steps: among all the masks every rank of a group draws (the embeddings', each layer's
+    attention probabilities and both residual branches', per step), none repeats another (two
+    layers' attention, attention and the MLP's branch, a sharded region and the replicated
+    stream, one step and the next), except the replicated ones, which every rank draws alike by
+    design. Under sequence parallelism the residual branches act on each rank's chunk of the
+    sequence: drawn from the rank's own generator, they differ between ranks too. The seed that
+    made the tracker also seeds the default generator, so a tracker not offset from it would
+    repeat the replicated masks. Pairs compared: a few thousand; the chance of a false alarm
+    below 1e-5 in all."""
+    results = dropout()
+    for key in results[0]:
+        tp, sp = key
+        for first in range(0, 4, tp):
+            group = [(r, i, d) for r in range(first, first + tp) for i, d in enumerate(results[r][key]["draws"])]
+            per_step = len(results[first][key]["draws"]) // 2
+            assert per_step == 7, per_step  # embeddings, then per layer: attention, its branch, the MLP's
+            for x, (ra, ia, a) in enumerate(group):
+                for rb, ib, b in group[x + 1:]:
+                    # what every rank holds whole: the embeddings' output, and without sequence
+                    # parallelism the residual branches (attention probabilities are per head)
+                    replicated = ia % per_step == 0 or (not sp and a[2] == 3)
+                    if ia == ib and replicated:
+                        assert torch.equal(a[1], b[1]), (key, ra, rb, ia, "replicated masks differ")
+                    else:
+                        assert not _repeats(a, b), (key, (ra, ia), (rb, ib), _agreement(a, b))

@@ -40,10 +40,19 @@ def add_parser(sub) -> None:
 
 
 def _ids(text: str, option: str = "--prompt-ids") -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3") from None
+    """Every item an integer: an empty one (``1,,2``, ``,1``, ``1,``) is a typo, not nothing; an
+    empty text is an empty prompt (which ``run`` refuses, naming the prompt)."""
+    if not text.strip():
+        return []
+    items = text.split(",")
+    for i, item in enumerate(items):
+        try:
+            int(item)
+        except ValueError:
+            what = "empty" if not item.strip() else f"{item.strip()!r}"
+            raise ValueError(f"{option} {text!r} must be comma-separated integers, e.g. 1,2,3; item {i + 1} "
+                             f"is {what}") from None
+    return [int(t) for t in items]
 
 
 def _prompt_ids(texts: list | None):
@@ -51,6 +60,8 @@ def _prompt_ids(texts: list | None):
 
 
 def _stop_ids(texts: list | None):
+    if texts is not None and any(not t.strip() for t in texts):
+        raise ValueError("--eos-token-id '' names no token: give one or more ids, e.g. --eos-token-id 2")
     return None if texts is None else [i for t in texts for i in _ids(t, "--eos-token-id")]
 
 
