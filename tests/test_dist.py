@@ -396,6 +396,33 @@ def test_ranks_in_different_collectives_of_a_group_are_a_mismatch_once_settled()
     assert "issued different collectives" in flight.find_mismatch({0: state(3, now), 1: state(3, now, op="broadcast")})
 
 
+def test_a_peer_that_never_reached_the_collective_is_the_stuck_one():
+    """Rank 0 has waited 10 s in the group's 7th collective. A peer in an earlier one, in none,
+    in another group's, or returned without it is stuck; one inside it, or past it (a long
+    collective leaves the slowest rank inside after the others have left), is not."""
+    from tensorpar.dist import flight
+    now = time.time()
+
+    def state(seq, t=now - 10, group=(0, 1), where="in"):
+        return {"state": where, "seq": seq, "op": "all_reduce", "shape": [4], "dtype": "float32", "group": list(group),
+                "module": None, "t": t}
+    waiting = state(7)
+    stuck = {"earlier": ({1: state(6, where="out")}, set()), "none": ({1: None}, set()),
+             "other group": ({1: state(9, group=(1, 3))}, set()), "returned": ({1: state(6, where="out")}, {1})}
+    for name, (peer, returned) in stuck.items():
+        rank, message = flight.find_stuck({0: waiting, **peer}, returned, 5.0)
+        assert rank == 1 and message.startswith("rank 0 has waited 10.0s in all_reduce #7 float32[4] on group "
+                                                "[0, 1] for rank 1 that never came: rank 1 "), (name, message)
+    assert "rank 1 returned without issuing it" in flight.find_stuck({0: waiting, 1: state(6)}, {1}, 5.0)[1]
+    for name, peer, returned in (("inside", state(7), set()), ("past it", state(7, where="out"), set()),
+                                 ("past it and returned", state(8, where="out"), {1})):
+        assert flight.find_stuck({0: waiting, 1: peer}, returned, 5.0) is None, name
+    assert flight.find_stuck({0: state(7, t=now - 2), 1: None}, set(), 5.0) is None  # not waited long enough
+    three = state(7, group=(0, 1, 2))
+    rank, message = flight.find_stuck({0: three, 1: state(7, group=(0, 1, 2)), 2: None}, set(), 5.0)
+    assert rank == 2 and "for rank 2 that never came: rank 2 in no collective yet" in message, message
+
+
 def test_the_rank_side_check_catches_what_the_backend_would_complete():
     """An all-reduce of (2, 4) against one of (4, 2) moves the same bytes: gloo completes it.
     With check_collectives on, every rank raises naming both calls."""

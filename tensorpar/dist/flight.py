@@ -232,13 +232,13 @@ def find_mismatch(states: dict, settle_s: float = SETTLE_S) -> str | None:
 def find_stuck(states: dict, returned, waited_s: float) -> tuple[int, str] | None:
     """``(rank, message)`` for the first rank of a group that one of its peers has waited for in
     a collective for ``waited_s`` or longer; None if no rank has waited that long, or every peer
-    of the waiting rank is in the same collective (then the backend, not a rank, is stuck).
+    of the waiting rank reached that collective (then the backend, not a rank, is stuck).
 
-    ``states``: ``{rank: read(slot)}`` of the ranks still running; ``returned``: those that have
-    returned (a peer that returned will never come)."""
+    ``states``: ``{rank: read(slot)}`` of every rank; ``returned``: the ranks that have returned."""
     now = time.time()
     for rank, state in sorted(states.items()):
-        if state is not None and state["state"] in ("in", "checking") and now - state["t"] >= waited_s:
+        if (rank not in returned and state is not None and state["state"] in ("in", "checking")
+                and now - state["t"] >= waited_s):
             found = stuck_peer(rank, states, returned)
             if found is not None:
                 return found
@@ -246,12 +246,12 @@ def find_stuck(states: dict, returned, waited_s: float) -> tuple[int, str] | Non
 
 
 def stuck_peer(rank: int, states: dict, returned) -> tuple[int, str] | None:
-    """``(peer, message)``: the first peer of ``rank``'s group that is not in the collective
-    ``rank`` is in (it is elsewhere, stopped short of it, or has returned); None if all are."""
+    """``(peer, message)``: the first peer of ``rank``'s group that has not reached the collective
+    ``rank`` is in (it is elsewhere, stopped short of it, or returned without it); None if all have."""
     state = states.get(rank)
     if state is None or state["state"] not in ("in", "checking"):
         return None
-    absent = [p for p in state["group"] if p != rank and not _in_same(state, states.get(p), p in returned)]
+    absent = [p for p in state["group"] if p != rank and not _reached(state, states.get(p))]
     if not absent:
         return None
     where = "; ".join(f"rank {p} " + ("returned without issuing it" if p in returned
@@ -261,9 +261,11 @@ def stuck_peer(rank: int, states: dict, returned) -> tuple[int, str] | None:
                        f"for {_plural(absent)} that never came: {where}")
 
 
-def _in_same(state: dict, peer: dict | None, returned: bool) -> bool:
-    return (not returned and peer is not None and peer["state"] in ("in", "checking")
-            and peer["group"] == state["group"] and peer["seq"] == state["seq"])
+def _reached(state: dict, peer: dict | None) -> bool:
+    """Whether ``peer`` reached the collective ``state`` is in: its last call on the group has that
+    number or a later one. (A collective may outlast the timeout while each wait in it is shorter:
+    the slowest rank is then still inside after its peers have left, or returned.)"""
+    return peer is not None and peer["group"] == state["group"] and peer["seq"] >= state["seq"]
 
 
 def _plural(ranks: list) -> str:

@@ -96,9 +96,11 @@ class Monitor:
     def running(self) -> list:
         return [r for r in range(len(self._slots)) if r not in self.out]
 
-    def states(self) -> dict:
-        """``{rank: its flight-recorder state}`` for the ranks that have not returned."""
-        return {r: flight.read(self._slots[r]) for r in self.running()}
+    def states(self, returned: bool = False) -> dict:
+        """``{rank: its flight-recorder state}`` for the ranks that have not returned (and those
+        that have, with ``returned``: their last call)."""
+        ranks = range(len(self._slots)) if returned else self.running()
+        return {r: flight.read(self._slots[r]) for r in ranks}
 
     def where(self) -> str:
         return "; where each rank was: " + "; ".join(f"rank {r} {flight.describe(s)}"
@@ -117,7 +119,7 @@ class Monitor:
         mismatch = flight.find_mismatch(states)
         if mismatch:
             raise MismatchedCollectivesError(mismatch)
-        stuck = flight.find_stuck(states, set(self.out), self._timeout + STUCK_GRACE_S)
+        stuck = flight.find_stuck(self.states(returned=True), set(self.out), self._timeout + STUCK_GRACE_S)
         if stuck is not None:
             raise RankStuckError(stuck[0], f"{stuck[1]}, past the launch's timeout of {self._timeout:g}s"
                                  + self.where())
@@ -133,7 +135,8 @@ class Monitor:
         mismatch = flight.find_mismatch(states)
         if mismatch and failure.exc_type != "CollectiveMismatchError":
             return MismatchedCollectivesError(f"{mismatch} (then {_first_line(failure)})")
-        stuck = flight.stuck_peer(failure.rank, states, set(self.out)) if _TIMED_OUT.search(failure.detail) else None
+        timed_out = _TIMED_OUT.search(failure.detail)
+        stuck = flight.stuck_peer(failure.rank, self.states(returned=True), set(self.out)) if timed_out else None
         if stuck is not None:
             return RankStuckError(stuck[0], f"{stuck[1]} (then {_first_line(failure)})" + self.where())
         if any(s is not None for s in states.values()):
