@@ -532,10 +532,34 @@ def test_more_local_ranks_than_the_machine_holds_are_refused(monkeypatch, no_ran
 
 
 def test_the_memory_a_machine_has_is_read_from_the_kernel():
+    """In MiB, between 0 and the machine's total (a reading in kB would exceed it; the available
+    memory itself moves with the other processes, so it is not compared exactly)."""
     from tensorpar.dist import preflight
     with open("/proc/meminfo") as f:
-        free = next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemAvailable:"))
-    assert 0 < preflight._available_mib() <= free
+        total = next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemTotal:"))
+    assert 0 < preflight._available_mib() <= total
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_cgroup_memory_limit_counts_as_less_memory(tmp_path, version):
+    """Limit 8 GiB, 6 GiB used of which 5 GiB are file pages the kernel can drop: room for 7 GiB;
+    no limit ("max", or v1's 2**63 rounded to a page): None."""
+    from tensorpar.dist import preflight
+    gib = 1 << 30
+    if version == "v2":
+        proc, base, names = "0::/job\n", tmp_path / "job", ("memory.max", "memory.current", "inactive_file")
+    else:
+        proc, base, names = ("5:cpu:/\n4:memory:/job\n", tmp_path / "memory" / "job",
+                             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    (tmp_path / "cgroup").write_text(proc)
+    base.mkdir(parents=True)
+    (base / names[0]).write_text(f"{8 * gib}\n")
+    (base / names[1]).write_text(f"{6 * gib}\n")
+    (base / "memory.stat").write_text(f"anon {gib}\n{names[2]} {5 * gib}\n")
+    room = lambda: preflight._cgroup_room_mib(str(tmp_path / "cgroup"), str(tmp_path))  # noqa: E731
+    assert room() == 7 * 1024
+    (base / names[0]).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert room() is None
 
 
 # Bad TENSORPAR_* values, each refused before any rank starts: (variable, value, expected words)

@@ -91,19 +91,41 @@ def _available_mib() -> int | None:
     return min(free, limit) if limit is not None else free
 
 
-def _cgroup_room_mib() -> int | None:
-    """cgroup v2's memory.max less memory.current for this process's cgroup; None without a limit."""
+def _cgroup_room_mib(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup still allows: its memory limit less what it holds, file pages
+    the kernel can drop (inactive_file) not counted; None without a limit. cgroup v2 and v1."""
     try:
-        with open("/proc/self/cgroup") as f:
-            path = next(line.strip().split("::", 1)[1] for line in f if line.startswith("0::"))
-        base = f"/sys/fs/cgroup{path.rstrip('/')}"
-        with open(f"{base}/memory.max") as f:
-            limit = f.read().strip()
-        with open(f"{base}/memory.current") as f:
-            current = int(f.read())
-    except (OSError, StopIteration, ValueError, IndexError):
+        with open(proc) as f:
+            lines = [line.strip().split(":", 2) for line in f]
+    except OSError:
         return None
-    return None if limit == "max" else max(0, int(limit) - current) // (1 << 20)
+    for _, controllers, path in (parts for parts in lines if len(parts) == 3):
+        if not controllers:  # v2: one hierarchy
+            files = (f"{root}{path.rstrip('/')}", "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            files = (f"{root}/memory{path.rstrip('/')}", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                     "total_inactive_file")
+        else:
+            continue
+        room = _room(*files)
+        if room is not None:
+            return room
+    return None
+
+
+def _room(base: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        with open(f"{base}/{limit_file}") as f:
+            limit = f.read().strip()
+        with open(f"{base}/{usage_file}") as f:
+            used = int(f.read())
+        with open(f"{base}/memory.stat") as f:
+            stat = dict(line.split() for line in f if len(line.split()) == 2)
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2**63
+        return None
+    return max(0, int(limit) - used + int(stat.get(inactive_key, 0))) // (1 << 20)
 
 
 def check_not_in_rank() -> None:
