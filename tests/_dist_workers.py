@@ -242,14 +242,15 @@ def fused_ledger_worker(shape):
 
 
 def subgroup_worker():
-    """Two tp groups of 2 inside a world of 4: a reduction stays inside its group."""
+    """Two tp groups of 2 inside a world of 4: a reduction stays inside its group. Then what
+    :func:`group_timeouts` finds (the same spawn)."""
     r = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     mine = groups[r // 2]
     x = torch.full((2, 4), float(r), dtype=torch.float64)
     y = dist.reduce_from_tp_region(x, mine)
     rs = dist.reduce_scatter(torch.arange(8, dtype=torch.float64).reshape(1, 8) * (r + 1), dim=1, group=mine)
-    return y[0, 0].item(), rs.tolist(), dist.get_rank(mine), dist.get_world_size(mine)
+    return y[0, 0].item(), rs.tolist(), dist.get_rank(mine), dist.get_world_size(mine), group_timeouts()
 
 
 def dying_worker(bad_rank):
@@ -449,7 +450,7 @@ def _timeout_s(pg) -> tuple:
     return (pg._get_backend(torch.device("cpu")).options._timeout.total_seconds(),)
 
 
-def group_timeouts_worker():
+def group_timeouts():
     """The timeout of every kind of group a rank can make without giving one (tensorpar's and
     torch's new_group, init_device_mesh's dimensions, new_subgroups), and what a launch from
     inside a rank says."""

@@ -110,16 +110,26 @@ def test_no_ledger_means_no_hooks():
     assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
 
 
-def test_subgroups_reduce_within_their_group():
-    out = dist.launch(W.subgroup_worker, 4, deadline=120)
+def test_subgroups_reduce_within_their_group_and_wait_the_launchs_timeout():
+    """A reduction stays inside its group. Groups made without a timeout of their own took
+    torch's 30-minute default (a rank whose mesh peer never came waited half an hour); each now
+    takes the launch's, 90 s here. And a launch from inside a rank is refused before it starts
+    anything."""
+    out = dist.launch(W.subgroup_worker, 4, timeout=90, deadline=180)
     sums = [o[0] for o in out]
     assert sums == [1.0, 1.0, 5.0, 5.0]  # 0+1 and 2+3
     base = list(range(8))
-    for r, (_, rs, grank, gsize) in enumerate(out):
+    for r, (_, rs, grank, gsize, (timeouts, nested)) in enumerate(out):
         factor = 3 if r < 2 else 7  # (r+1) summed over the group: 1+2 or 3+4
         half = base[:4] if grank == 0 else base[4:]
         assert rs == [[factor * v for v in half]]
         assert (grank, gsize) == (r % 2, 2)
+        assert set(timeouts) == {"world", "tensorpar new_group", "tensorpar new_group gloo", "torch new_group",
+                                 "torch new_group gloo", "mesh dp", "mesh tp", "new_subgroups"}, timeouts
+        for kind, seconds in timeouts.items():
+            assert all(s == 90.0 for s in seconds), (kind, seconds)
+        assert timeouts["tensorpar new_group"][0] == 90.0  # a shared-memory segment, waiting 90 s too
+        assert nested.startswith("launch() called inside rank") and "a rank cannot start ranks of its own" in nested
 
 
 def _alive(pid: int) -> bool:
@@ -641,19 +651,6 @@ def test_leftover_torchrun_variables_are_reported_not_waited_on(monkeypatch, no_
 
 
 # ---- hangs: every group waits at most the launch's timeout; stopped, silent and stuck ranks named ----
-
-def test_every_group_a_rank_makes_waits_the_launchs_timeout():
-    """Groups made without a timeout of their own took torch's 30-minute default (a rank whose
-    mesh peer never came waited half an hour); each now takes the launch's, 7 s here. And a
-    launch from inside a rank is refused before it starts anything."""
-    for timeouts, nested in dist.launch(W.group_timeouts_worker, 4, timeout=7, deadline=180):
-        assert set(timeouts) == {"world", "tensorpar new_group", "tensorpar new_group gloo", "torch new_group",
-                                 "torch new_group gloo", "mesh dp", "mesh tp", "new_subgroups"}, timeouts
-        for kind, seconds in timeouts.items():
-            assert all(s == 7.0 for s in seconds), (kind, seconds)
-        assert timeouts["tensorpar new_group"][0] == 7.0  # a shared-memory segment, waiting 7 s too
-        assert nested.startswith("launch() called inside rank") and "a rank cannot start ranks of its own" in nested
-
 
 def _since(directory, name) -> float:
     return time.time() - float((directory / name).read_text())

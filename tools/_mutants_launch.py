@@ -8,7 +8,7 @@ T = "tests/test_dist.py"
 MUTANTS = [
     M("launch: sub-groups keep torch's 30-minute default timeout", "dist/rendezvous.py",
       "c10d.default_pg_timeout = timeout", "pass",
-      (T, "-k", "every_group_a_rank or mesh_peer")),
+      (T, "-k", "subgroups_reduce or mesh_peer")),
     M("launch: the watch never ends a wait past the timeout", "dist/monitor.py",
       "stuck = flight.find_stuck(self.states(returned=True), set(self.out), self._timeout + STUCK_GRACE_S)",
       "stuck = None",
@@ -40,7 +40,7 @@ MUTANTS = [
       (T, "-k", "cannot_import")),
     M("launch: a launch inside a rank is not refused", "dist/preflight.py",
       "if name.startswith(\"tensorpar-rank\"):", "if False:",
-      (T, "-k", "every_group_a_rank")),
+      (T, "-k", "subgroups_reduce")),
     M("launch: any number of local ranks accepted", "dist/preflight.py",
       "if n <= by_cpu and (by_memory is None or n <= by_memory):", "if True:",
       (T, "-k", "machine_holds or command_line")),
