@@ -401,6 +401,30 @@ def _big(m: _Matrix):
             "strided", ref, parts, R_.AVG)
 
 
+def _forwarded(m: _Matrix, shape=(3, 5)):
+    """What the backend hands to gloo whatever the transport (reduce, scatter, gather), on views:
+    gloo alone returned wrong values for strided reduce and scatter. Against gloo's result on
+    contiguous copies (the same algorithm: the same bits), the rest of each buffer untouched."""
+    dtype, root = torch.float64, m.ranks[0]
+    parts = m.everyone(("forwarded", "reduce"), shape, dtype)
+    ref = parts[m.me].clone()
+    tdist.reduce(ref, dst=root, group=m.gloo)
+    rows = m.everyone(("forwarded", "scatter"), (m.p, *shape), dtype)[0]  # the root's row j goes to rank j
+    for layout in LAYOUTS:
+        x, buf = _laid_out(parts[m.me], layout)
+        tdist.reduce(x, dst=root, group=m.group)
+        if m.me == 0:  # what the other ranks' tensors hold after a reduce is not defined
+            m.check(f"reduce {layout}", buf, ref, layout)
+        out, obuf = _laid_out(torch.zeros(shape, dtype=dtype), layout)
+        tdist.scatter(out, [_laid_out(r, layout)[0] for r in rows] if m.me == 0 else None, src=root, group=m.group)
+        m.check(f"scatter {layout}", obuf, rows[m.me], layout)
+        outs = [_laid_out(torch.zeros(shape, dtype=dtype), layout) for _ in range(m.p)] if m.me == 0 else []
+        tdist.gather(_laid_out(parts[m.me], layout)[0], [o for o, _ in outs] or None, dst=root, group=m.group)
+        for j, (_, b) in enumerate(outs):
+            m.check(f"gather {layout} into slot {j}", b, parts[j], layout)
+        m.counts["forwarded"] = m.counts.get("forwarded", 0) + 3
+
+
 def ops_and_layouts_worker(world_groups):
     """Every ReduceOp x dtype x layout through all_reduce, reduce_scatter (tensor and list),
     all_gather (tensor and list) and broadcast, on the shared-memory groups and on groups of the
@@ -424,6 +448,7 @@ def ops_and_layouts_worker(world_groups):
             _reductions(m, dtype, (3, 5))
             _gathers(m, dtype, (3, 5))
         _big(m)
+        _forwarded(m)
     refusals = {m.name: _refusals(m) for m in matrices}
     return [(m.name, m.failures, m.counts) for m in matrices], refusals
 

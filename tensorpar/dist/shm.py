@@ -34,10 +34,11 @@ the order of the operations. Tensors larger than a slot (``TENSORPAR_SHM_SLOT_BY
 1 MiB per rank) go through in slot-sized pieces.
 
 What goes to gloo (a group across hosts, ``TENSORPAR_TRANSPORT=gloo``, several tensors per call,
-tensors off the CPU) goes there with contiguous tensors only: gloo reads and writes a tensor's
+tensors off the CPU; gather, scatter, reduce, all-to-all, point-to-point) goes there with
+contiguous tensors only: gloo reads and writes a tensor's
 storage from its data pointer as if it were contiguous, so on torch 2.13 an all-reduce,
-broadcast or list reduce-scatter of a strided view returns wrong values on some ranks and
-writes past the view into the rest of its buffer (measured; no error is raised).
+broadcast, list reduce-scatter, reduce or scatter of a strided view returns wrong values on some
+ranks and writes past the view into the rest of its buffer (measured; no error is raised).
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         for t in tensors:
             self._seen("all_reduce", t)
         if self.segment is None or len(tensors) != 1 or not _cpu(tensors):
-            return _via_gloo(self._gloo.allreduce, tensors, None, opts)
+            return _via_gloo(self._gloo.allreduce, tensors, *_given(opts))
         _allreduce(self.segment, tensors[0], op)
         return _done(tensors)
 
@@ -131,7 +132,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         _check_writable("all_gather", [output])
         self._seen("all_gather", output)
         if self.segment is None or not _cpu([output, input]):
-            return _via_gloo(self._gloo._allgather_base, output, input, opts)
+            return _via_gloo(self._gloo._allgather_base, output, input, *_given(opts))
         out = _staged(output)
         all_gather_single(self.segment, out, input.contiguous())
         _write_back(output, out)
@@ -142,7 +143,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         self._seen("all_gather", inputs[0], shape=(self.size() * inputs[0].numel(),))
         if (self.segment is None or len(inputs) != 1 or not _cpu(inputs + output_lists[0])
                 or not _alike(output_lists[0], inputs[0], self.size())):
-            return _via_gloo(self._gloo.allgather, output_lists, inputs, opts)
+            return _via_gloo(self._gloo.allgather, output_lists, inputs, *_given(opts))
         outs = [_staged(o) for o in output_lists[0]]
         _allgather(self.segment, _bytes(inputs[0].contiguous()), [_bytes(o) for o in outs])
         for o, tmp in zip(output_lists[0], outs):
@@ -155,7 +156,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         _check_writable("reduce_scatter", [output])
         self._seen("reduce_scatter", input)
         if self.segment is None or not _cpu([output, input]):
-            return _via_gloo(self._gloo._reduce_scatter_base, output, input, opts)
+            return _via_gloo(self._gloo._reduce_scatter_base, output, input, *_given(opts))
         _check_sizes("reduce_scatter", input, output, self.size())
         out = _staged(output)
         _reduce_scatter(self.segment, input.reshape(self.size(), -1), out, op)
@@ -169,7 +170,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
         self._seen("reduce_scatter", outputs[0], shape=(self.size() * outputs[0].numel(),))
         if (self.segment is None or len(outputs) != 1 or not _cpu(outputs + input_lists[0])
                 or not _alike(input_lists[0], outputs[0], self.size())):
-            return _via_gloo(self._gloo.reduce_scatter, outputs, input_lists, opts)
+            return _via_gloo(self._gloo.reduce_scatter, outputs, input_lists, *_given(opts))
         stacked = torch.stack([i.reshape(-1) for i in input_lists[0]])  # (p, n)
         out = _staged(outputs[0])
         _reduce_scatter(self.segment, stacked, out, op)
@@ -182,7 +183,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
             _check_writable("broadcast", tensors)
         self._seen("broadcast", tensors[0], src=root)
         if self.segment is None or len(tensors) != 1 or not _cpu(tensors):
-            return _via_gloo(self._gloo.broadcast, tensors, None, opts)
+            return _via_gloo(self._gloo.broadcast, tensors, *_given(opts))
         x = _staged(tensors[0])
         _broadcast(self.segment, x, root)
         _write_back(tensors[0], x)
@@ -190,7 +191,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
 
     def barrier(self, opts=None):
         if self.segment is None:
-            return self._gloo.barrier(*(() if opts is None else (opts,)))
+            return self._gloo.barrier(*_given(opts))
         _barrier(self.segment)
         return _done(None)
 
@@ -200,7 +201,7 @@ class ShmProcessGroup(tdist.ProcessGroup):
 
 def _forward_to_gloo(name, gloo_name):
     def method(self, *args, **kwargs):
-        return getattr(self._gloo, gloo_name)(*args, **kwargs)
+        return _via_gloo(getattr(self._gloo, gloo_name), *args, **kwargs)
     method.__name__ = name
     return method
 
@@ -258,18 +259,29 @@ def _write_back(view: torch.Tensor, staged: torch.Tensor) -> None:
         view.copy_(staged)
 
 
-def _via_gloo(call, written, read, opts):
-    """``call`` (a gloo collective) on contiguous copies of non-contiguous tensors, the results
-    copied back into ``written`` once it is done (the call then waits: see the module's note)."""
+def _given(opts) -> tuple:
+    return () if opts is None else (opts,)
+
+
+def _via_gloo(call, *args, **kwargs):
+    """``call`` (a gloo op whose first argument is what it writes) on contiguous copies of
+    non-contiguous tensors, the results copied back into the first argument once it is done (the
+    call then waits: see the module's note)."""
     back: list = []
-    args = [_staged_all(written, back)] + ([] if read is None else [_staged_all(read, None)])
-    work = call(*args, *(() if opts is None else (opts,)))
+    staged = [_staged_all(a, back if i == 0 else None) if _tensors(a) else a for i, a in enumerate(args)]
+    work = call(*staged, **kwargs)
     if not back:
         return work
     work.wait()
-    for view, staged in back:
-        _write_back(view, staged)
-    return _done(written)
+    for view, copy in back:
+        _write_back(view, copy)
+    return _done(args[0])
+
+
+def _tensors(obj) -> bool:
+    """A tensor or a non-empty (nested) list of them, not the ints and options an op also takes."""
+    return isinstance(obj, torch.Tensor) or (isinstance(obj, (list, tuple)) and len(obj) > 0
+                                             and all(_tensors(o) for o in obj))
 
 
 def _staged_all(obj, back):

@@ -1,0 +1,103 @@
+"""Mutants of the runtime (issue 20): the shared-memory backend on every ReduceOp and layout,
+sampling noise and dropout masks that must never repeat, generate's defaults and bad inputs.
+Each is a one-line fault the tests named must catch."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mutants import Mutant as M  # noqa: E402
+
+SHM = ("tests/test_dist_shm.py", "-k", "every_reduce_op")
+SHM_REFUSED = ("tests/test_dist_shm.py", "-k", "what_no_backend")
+NOISE = ("tests/test_models_generation.py", "-k", "noise")
+MASKS = ("tests/test_models_sequence.py", "-k", "never_repeat")
+MUTANTS = [
+    # dist/shm.py: an op served with the wrong reduction, a result left in a copy, gloo given views
+    M("shm: AVG all-reduce not divided by the group size", "dist/shm.py", "out.div_(s.size)", "pass", SHM),
+    M("shm: AVG reduce-scatter not divided by the group size", "dist/shm.py", "flat_out[a:b].div_(p)", "pass", SHM),
+    M("shm: PRODUCT served as SUM", "dist/shm.py",
+      "_REDUCE = {_R.SUM: torch.Tensor.add_, _R.PRODUCT: torch.Tensor.mul_,",
+      "_REDUCE = {_R.SUM: torch.Tensor.add_, _R.PRODUCT: torch.Tensor.add_,", SHM),
+    M("shm: MIN served as MAX", "dist/shm.py", "_R.MIN: lambda a, b: torch.minimum(a, b, out=a),",
+      "_R.MIN: lambda a, b: torch.maximum(a, b, out=a),", SHM),
+    M("shm: BXOR served as BOR", "dist/shm.py",
+      "_R.BOR: torch.Tensor.bitwise_or_, _R.BXOR: torch.Tensor.bitwise_xor_}",
+      "_R.BOR: torch.Tensor.bitwise_or_, _R.BXOR: torch.Tensor.bitwise_or_}", SHM),
+    M("shm: a non-contiguous all-reduce result not written back", "dist/shm.py",
+      "x.copy_(flat.view_as(x))", "pass", SHM),
+    M("shm: staged gather / scatter / broadcast results not written back", "dist/shm.py",
+      "view.copy_(staged)", "pass", SHM),
+    M("shm: strided views handed to gloo as they are", "dist/shm.py",
+      "staged = [_staged_all(a, back if i == 0 else None) if _tensors(a) else a for i, a in enumerate(args)]",
+      "staged = list(args)", SHM),
+    M("shm: reduce / scatter / gather forwarded to gloo with strided views", "dist/shm.py",
+      "return _via_gloo(getattr(self._gloo, gloo_name), *args, **kwargs)",
+      "return getattr(self._gloo, gloo_name)(*args, **kwargs)", SHM),
+    M("shm: PREMUL_SUM not refused", "dist/shm.py", "if op not in _REDUCE:", "if False:", SHM_REFUSED),
+    M("shm: a bitwise op on floats not refused", "dist/shm.py",
+      "if op in (_R.BAND, _R.BOR, _R.BXOR) and not exact:", "if False:", SHM_REFUSED),
+    M("shm: AVG on integers not refused", "dist/shm.py", "if op == _R.AVG and exact:", "if False:", SHM_REFUSED),
+    M("shm: a result written into an expanded view", "dist/shm.py",
+      "if torch._debug_has_internal_overlap(t) == 1:  # 1: certainly overlapping (a stride 0)", "if False:",
+      SHM_REFUSED),
+    # models/sampling.py, models/generation.py: noise reused, collided, shifted, shared
+    M("sampling: noise reused across steps (generator re-seeded with the seed alone)", "models/sampling.py",
+      "words = np.array([seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF, step >> 32], dtype=np.uint32)",
+      "words = np.array([seed & 0xFFFFFFFF, seed >> 32, 0, 0], dtype=np.uint32)", NOISE),
+    M("sampling: seed + step keys collide", "models/sampling.py",
+      "words = np.array([seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF, step >> 32], dtype=np.uint32)",
+      "words = np.array([(seed + step) & 0xFFFFFFFF, (seed + step) >> 32, 0, 0], dtype=np.uint32)", NOISE),
+    M("sampling: the seed's high 32 bits dropped (torch's seeding)", "models/sampling.py",
+      "words = np.array([seed & 0xFFFFFFFF, seed >> 32, step & 0xFFFFFFFF, step >> 32], dtype=np.uint32)",
+      "words = np.array([seed & 0xFFFFFFFF, 0, step & 0xFFFFFFFF, step >> 32], dtype=np.uint32)", NOISE),
+    M("sampling: every row draws the same noise", "models/sampling.py",
+      "return torch.from_numpy(rng.random((batch, vocab_size)))",
+      "return torch.from_numpy(rng.random((1, vocab_size)).repeat(batch, 0))", NOISE),
+    M("sampling: noise shifted a row per step (one stream for every step)", "models/sampling.py",
+      "return -torch.log(-torch.log(uniform(sampler.seed, step, batch, vocab_size)))",
+      "return -torch.log(-torch.log(uniform(sampler.seed, 0, batch + step, vocab_size)[step:]))", NOISE),
+    M("generate: every step chooses with step 0's noise", "models/generation.py",
+      "nxt = choose(values, indices, sampler, t, vocab, perturbed=perturbed)  # (B,): the same on every rank",
+      "nxt = choose(values, indices, sampler, 0, vocab, perturbed=perturbed)",
+      ("tests/test_models_generation.py", "-k", "independent_sampler")),
+    M("generate: the split model's shard noise is step 0's", "models/generation.py",
+      "noise = gumbel(sampler, t, local.shape[0], vocab)[:, start:start + valid]  # (B, valid)",
+      "noise = gumbel(sampler, 0, local.shape[0], vocab)[:, start:start + valid]",
+      ("tests/test_models_generation.py", "-k", "every_row")),
+    # generate's documented pad default, its position limit, its inputs
+    M("generate: a stopped row padded with 0 by default", "models/generation.py",
+      "pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)",
+      "pad = pad_token_id if pad_token_id is not None else 0",
+      ("tests/test_models_generation.py", "-k", "first_stop_token")),
+    M("generate: a stopped row padded with the last stop token by default", "models/generation.py",
+      "pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)",
+      "pad = pad_token_id if pad_token_id is not None else (stops[-1] if stops else 0)",
+      ("tests/test_models_generation.py", "-k", "first_stop_token")),
+    M("generate: past the position limit not refused", "models/generation.py",
+      "if isinstance(limit, int) and longest + max_new_tokens > limit:", "if False:",
+      ("tests/test_models_generation.py", "-k", "refuses_what")),
+    M("generate: left padding counted against the position limit", "models/generation.py",
+      "longest = int(mask.sum(dim=1).max())", "longest = mask.shape[1]",
+      ("tests/test_models_generation.py", "-k", "refuses_what")),
+    M("generate: a flat list of ids not refused", "models/generation.py",
+      "if not all(isinstance(r, (list, tuple)) for r in input_ids):", "if False:",
+      ("tests/test_models_generation.py", "-k", "refuses_what")),
+    # cli/run.py: mistyped ids
+    M("run: empty items in --prompt-ids skipped", "cli/run.py",
+      'items = text.split(",")', 'items = [t for t in text.split(",") if t.strip()]',
+      ("tests/test_models_generation.py", "-k", "mistyped")),
+    M("run: --eos-token-id '' accepted", "cli/run.py",
+      "if texts is not None and any(not t.strip() for t in texts):", "if False:",
+      ("tests/test_models_generation.py", "-k", "mistyped")),
+    # dropout: masks repeated between regions, stretches and steps
+    M("dropout: the tracker's state not advanced (every stretch repeats the first)", "nn/random.py",
+      "self._states[name] = self._get()", "pass", MASKS),
+    M("dropout: the per-rank tracker seeded like the default generator", "nn/random.py",
+      "_TP_SEED_OFFSET = 2718", "_TP_SEED_OFFSET = 0", MASKS),
+    M("dropout: a region inside a stretch forks again (repeats the stretch's masks)", "nn/regions.py",
+      "if not any(c is not None for _, c in self.open):", "if True:", MASKS),
+    M("dropout: sequence chunks draw from the shared generator", "sharding/sequence.py",
+      "for h in rng_fork(model, tp_group, undo).around(blist[0][1], [blist[-1][1]]):", "for h in []:", MASKS),
+    M("dropout: the default generator not given back after a stretch", "nn/random.py",
+      "self._set(saved)", "pass", MASKS),
+]
