@@ -100,6 +100,11 @@ def _object_pickle(step: Path, root: Path) -> None:
     _point_item(step, "step", buf.getvalue())
 
 
+def _wrong_chunks(meta) -> None:
+    """A tensor entry whose chunk list is a string: DCP's planner would fail deep inside."""
+    next(v for v in meta.state_dict_metadata.values() if hasattr(v, "chunks")).chunks = "not chunks"
+
+
 def _symlink(path: Path, target: Path) -> None:
     path.unlink()
     path.symlink_to(target)
@@ -120,6 +125,8 @@ CRAFTED = {
     "pickle_in_metadata": (_metadata_pickle, "refused: its pickle asks for builtins.exec"),
     "garbage_metadata": (lambda s, r: (s / ".metadata").write_bytes(b"\x80\x04not a pickle" * 8),
                          "is not a DCP checkpoint's metadata"),
+    "metadata_wrong_types": (lambda s, r: _rewrite_metadata(s, _wrong_chunks),
+                             "is not a DCP checkpoint's metadata: it unpickles to Metadata without"),
     "pickle_in_object": (_object_pickle, "item 'step' is refused: it does not load as plain data"),
     "data_path_dotdot": (lambda s, r: _rewrite_metadata(s, _rename_data(lambda n: f"../../victim/step-00000003/{n}")),
                          "names the data file '../../victim/step-00000003/__0_0.distcp': refused"),

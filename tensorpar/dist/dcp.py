@@ -120,13 +120,17 @@ def _quiet():
 # saved dense, split and under FSDP, and recording ``find_class``): its dataclasses, torch.Size,
 # dtypes, the layout by name (``torch.serialization._get_layout``) and the PosixPath of the
 # folder it was saved in. None of these runs code when built from pickled arguments.
-_METADATA_CLASSES = {("torch.distributed.checkpoint.metadata", c.__name__): c for c in (
-    Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex,
-    dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING)}
-_METADATA_CLASSES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-_METADATA_CLASSES[("torch", "Size")] = torch.Size
-_METADATA_CLASSES[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-_METADATA_CLASSES[("pathlib", "PosixPath")] = Path
+_METADATA_CLASSES = {
+    **{("torch.distributed.checkpoint.metadata", c.__name__): c for c in (
+        Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex,
+        dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING)},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): Path,
+    # the dtypes by name, listed up front: a lookup of any other name in torch could import a module
+    **{("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -135,8 +139,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _METADATA_CLASSES:
             return _METADATA_CLASSES[(module, name)]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
         raise _Refused(f"{module}.{name}")
 
     def persistent_load(self, pid):
@@ -188,7 +190,10 @@ def _check_types(meta, path: Path) -> None:
 
 def _tensor_entry(v) -> bool:
     return (isinstance(v, TensorStorageMetadata) and isinstance(v.size, torch.Size)
-            and isinstance(getattr(v.properties, "dtype", None), torch.dtype) and isinstance(v.chunks, list))
+            and isinstance(getattr(v.properties, "dtype", None), torch.dtype) and isinstance(v.chunks, list)
+            and all(isinstance(c, ChunkStorageMetadata) and isinstance(c.offsets, torch.Size)
+                    and isinstance(c.sizes, torch.Size) and len(c.offsets) == len(c.sizes) == len(v.size)
+                    for c in v.chunks))
 
 
 def _check_storage(folder: Path, info: _StorageInfo, path: Path) -> None:

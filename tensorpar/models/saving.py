@@ -184,11 +184,17 @@ def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Pat
 _OVERHEAD, _SLACK = 1.25, 2**20
 
 
+def disk_bytes(tensor_bytes: int) -> int:
+    """What a checkpoint of dense tensors of ``tensor_bytes`` in all takes on disk, at most (for a
+    job to check its folders before training: an AdamW checkpoint holds 3 x the parameters'
+    bytes; an export needs twice ``disk_bytes`` of the parameters, its blocks and file at once)."""
+    return int(tensor_bytes * _OVERHEAD) + _SLACK
+
+
 def _nbytes(state: dict) -> int:
     """What a save of ``state`` puts on disk, at most: every dense tensor once (whichever ranks
     hold its blocks), with DCP's per-item overhead."""
-    tensors = sum(math.prod(v.shape) * v.dtype.itemsize for v in state.values() if isinstance(v, torch.Tensor))
-    return int(tensors * _OVERHEAD) + _SLACK
+    return disk_bytes(sum(math.prod(v.shape) * v.dtype.itemsize for v in state.values() if isinstance(v, torch.Tensor)))
 
 
 def _largest(state: dict) -> int:
