@@ -98,6 +98,72 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     assert err.count("\n") == 1 and err.startswith("tensorpar plan: error: ") and needle in err, err
 
 
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2, "hidden_size": 48,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 130,
+         "max_position_embeddings": 64}
+
+# Configs that make no model, and refusals an argument or the config can each cause ("config:"),
+# at the top of config.json and nested in a multimodal one ("{name}": a file of plan_fixtures):
+# exit 2, one line, on the formula path and on the path of tensorpar's own split (--inventory).
+PLAN_ERRORS = [
+    (["plan", "--model", "{negative_layers}"], "negative_layers.json: num_hidden_layers=-3 must be a positive integer"),
+    (["plan", "--model", "{negative_layers}", "--inventory"], "num_hidden_layers=-3 must be a positive integer"),
+    (["plan", "--model", "{zero_heads}"], "num_attention_heads=0 must be a positive integer"),
+    (["plan", "--model", "{nested_negative_layers}"], "text_config.num_hidden_layers=-3 must be a positive integer"),
+    (["plan", "--model", "{heads5}"], "heads5.json: hidden (48) must be a multiple of heads (5)"),
+    (["plan", "--model", "{heads5}", "--inventory"],
+     "transformers refuses this llama config: The hidden size (48) is not a multiple of the number of attention "
+     "heads (5)"),
+    (["plan", "--model", "{a_list}"], "a_list.json is not a JSON object (got list)"),
+    (["plan", "--model", "{a_list}", "--inventory"], "a_list.json is not a JSON object (got list)"),
+    (["plan", "--model", "{vision}", "--inventory"], "tensorpar cannot build and split this aimv2 model for a plan"),
+    (["plan", "--model", "{llama}", "--inventory", "--seq", "0"], "--seq (0) must be a positive integer"),
+    (["plan", "--model", "{llama}", "--inventory", "--dp", "0"], "--dp (0) must be a positive integer"),
+    # tp must split the heads: --tp 3 on 4 heads; config: 3 heads at --tp 2; nested
+    (["plan", "--model", "{llama}", "--inventory", "--tp", "3"], "tp_size (3) must divide n_heads (4)"),
+    (["plan", "--model", "{heads3}", "--inventory", "--tp", "2"], "tp_size (2) must divide n_heads (3)"),
+    (["plan", "--model", "{nested}", "--tp", "3"], "tp_size (3) must divide n_heads (4)"),
+]
+
+
+def plan_fixtures(root) -> dict:
+    """The config.json files PLAN_ERRORS names, written under ``root``."""
+    from tensorpar.models.testing import make_tiny_config
+
+    text = make_tiny_config("gemma3_text").to_dict()
+    nested = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+              "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28,
+                                "patch_size": 14}, "mm_tokens_per_image": 4}
+    configs = {"llama": LLAMA, "negative_layers": {**LLAMA, "num_hidden_layers": -3},
+               "zero_heads": {**LLAMA, "num_attention_heads": 0}, "heads5": {**LLAMA, "num_attention_heads": 5},
+               "heads3": {**LLAMA, "num_attention_heads": 3, "num_key_value_heads": 3}, "a_list": [LLAMA],
+               "nested": nested, "nested_negative_layers": {**nested, "text_config": {**text, "num_hidden_layers": -3}},
+               "vision": make_tiny_config("aimv2").to_dict()}
+    out = {}
+    for name, cfg in configs.items():
+        out[name] = str(root / f"{name}.json")
+        with open(out[name], "w") as f:
+            json.dump(cfg, f)
+    return out
+
+
+def test_configs_and_arguments_refused_on_both_paths(capsys, tmp_path):
+    files = plan_fixtures(tmp_path)
+    for argv, needle in PLAN_ERRORS:
+        rc, out, err = _run(capsys, *[a.format(**files) for a in argv[1:]])
+        assert rc == 2 and out == "", (argv, out)
+        assert err.count("\n") == 1 and err.startswith("tensorpar plan: error: ") and needle in err, (argv, err)
+
+
+def test_positions_of_a_nested_text_config_plan_the_sequence(capsys, tmp_path):
+    """A multimodal config.json gives its positions in text_config (128 here): the plan's sequence,
+    not the 2048 assumed where a config gives none."""
+    files = plan_fixtures(tmp_path)
+    rc, out, _ = _run(capsys, "--model", files["nested"], "--tp", "2", "--json")
+    assert rc in (0, 1) and json.loads(out)["seq"] == 128
+
+
 def test_bad_choice_from_argparse_is_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--model", "llama-2-7b", "--recompute", "some"])

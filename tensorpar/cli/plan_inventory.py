@@ -25,25 +25,25 @@ def _config_file(model: str | None):
 
 
 def uses_inventory(args) -> bool:
-    """``--model`` is a config the formulas do not accept (or ``--inventory``): plan it from its
-    inventory. Presets and the formula families keep the formula path."""
+    """``--model`` is a config the formulas do not count (or ``--inventory``): plan it from its
+    inventory. Presets and the formula families keep the formula path. A config that makes no
+    model (not an object, a size zero or negative, here or nested) is refused on either path."""
     path = _config_file(args.model)
     if path is None:
         if args.inventory:
             raise ValueError(f"--inventory needs --model DIR or a config.json; got {args.model!r}")
         return False
+    P.hfconfig.read_config(path)  # ValueError naming the file and the field
     if args.inventory:
         return True
     try:
         P.from_hf_config(path)
-    except ValueError:
+    except P.hfconfig.NotModelled:  # only a type the formulas do not count: any other error is the config's
         return True
     return False
 
 
 def main_inventory(args) -> int:
-    from tensorpar.sharding.inventory import build_inventory
-
     mesh = ("dp", "zero_stage", "sequence_parallel") if args.workload == "train" else ()  # planned on a mesh
     given = [flag for attr, default, flag in _FORMULA_ONLY if getattr(args, attr) != default and attr not in mesh]
     given += [f"--{k.replace('_', '-')}" for k in SHAPES if getattr(args, k) is not None and k != "seq"]
@@ -52,10 +52,11 @@ def main_inventory(args) -> int:
                          f"{', '.join(P.hfconfig.SUPPORTED)}); a plan from tensorpar's own split covers tp alone")
     from tensorpar.cli.progress import Phases
 
+    _check_counts(args)
     path = _config_file(args.model)
     with Phases(quiet=args.json) as phase, phase(f"meta-device model, its split for each of {args.tp} ranks"):
-        inv = build_inventory(path, args.tp, head=True)
-    seq = args.seq or _max_positions(path)
+        inv = _inventory(path, args.tp)
+    seq = args.seq if args.seq is not None else _max_positions(path)
     workload = "train" if args.workload == "train" else "inference"
     report = P.plan_inventory(inv, build_hardware(args), batch=args.micro_batch * args.dp, seq=seq,
                               dtype=args.dtype, workload=workload, dp=args.dp, zero_stage=args.zero_stage,
@@ -67,11 +68,48 @@ def main_inventory(args) -> int:
     return 0 if report.feasible else 1
 
 
+def _check_counts(args) -> None:
+    """The counts the inventory path reads, each a positive integer (``--seq 0`` would otherwise
+    fall back to the config's positions; ``--dp 0`` be named as a batch of 0)."""
+    for flag, value in (("--tp", args.tp), ("--dp", args.dp), ("--micro-batch", args.micro_batch),
+                        ("--seq", args.seq)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} ({value}) must be a positive integer")
+
+
+# What transformers raises for a config.json its configuration class refuses (a validator's
+# error, a size that divides by zero), and what building a model tensorpar cannot plan raises
+# (a vision or audio model missing what a text model has): named, in one line.
+_BUILD_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, RuntimeError,
+                 NotImplementedError, AssertionError)
+
+
+def _inventory(path, tp: int):
+    from huggingface_hub.errors import StrictDataclassError
+
+    from tensorpar.sharding.inventory import build_inventory
+
+    kind = P.hfconfig.read_config(path).get("model_type")
+    try:
+        return build_inventory(path, tp, head=True)
+    except StrictDataclassError as exc:  # a validator of the configuration class: its own words
+        cause = exc.__cause__ or exc
+        raise ValueError(f"{path}: transformers refuses this {kind} config: {_words(cause)}") from None
+    except _BUILD_ERRORS as exc:
+        raise ValueError(f"{path}: tensorpar cannot build and split this {kind} model for a plan "
+                         f"({type(exc).__name__}: {_words(exc)})") from None
+
+
+def _words(exc) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
 def _max_positions(path) -> int:
-    cfg = json.loads(path.read_text())
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(cfg.get(key), int) and cfg[key] > 0:
-            return cfg[key]
+    """The model's position limit, from its config or the text model's nested in it; 2048 when none is given."""
+    for cfg in P.hfconfig.text_configs(P.hfconfig.read_config(path)):
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
     return 2048
 
 
