@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -357,6 +358,16 @@ RUN_ERRORS = [
 ]
 
 
+# A multimodal model (tests.test_cli_train._nested_model: Gemma-3 with a vision tower) gives its
+# language model's heads, layers and positions in config.json's text_config only: the parent-side
+# checks read them there.
+NESTED_ERRORS = [
+    (["verify", "--model", "{nested}", "--tp", "3"], "tp_size (3) must divide n_heads (4)"),
+    (["verify", "--model", "{nested}", "--seq", "200"], "--seq 200 (200 tokens) is longer than this model's 128 positions"),
+    (["verify", "--model", "{nested}", "--inject-fault", "2"], "--inject-fault 2: valid blocks are 0..1"),
+]
+
+
 @pytest.fixture(scope="module")
 def error_runs(checkpoints, tmp_path_factory):
     """``{tuple(args): {"rc", "stdout", "stderr"}}`` for every case above."""
@@ -369,7 +380,8 @@ def error_runs(checkpoints, tmp_path_factory):
         (dirs[name] / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
         (dirs[name] / "model.safetensors").write_bytes(b"")  # empty: no header
     dirs.update(_broken_checkpoints(checkpoints["llama"], root))
-    cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS] + [["verify", "--model", "/nonexistent/dir", "--json"]]
+    cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS + NESTED_ERRORS] + [
+        ["verify", "--model", "/nonexistent/dir", "--json"]]
     filled = [[a.format(**dirs) for a in args] for args in cases]
     r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(filled)], capture_output=True,
                        text=True, env=ENV, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -399,6 +411,8 @@ def _broken_checkpoints(good, root) -> dict:
 
     out = {name: copy(name) for name in ("truncated", "missing", "reshaped", "integer", "outside", "stale",
                                          "wrong_index", "billion_layers", "zero_heads", "list_config")}
+    from tests.test_cli_train import _nested_model
+    out["nested"] = Path(_nested_model(str(root / "nested")))
     data = (good / "model.safetensors").read_bytes()
     (out["truncated"] / "model.safetensors").write_bytes(data[:len(data) // 2])
     rewrite(out["missing"], lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
@@ -473,6 +487,11 @@ def test_errors_are_one_line_with_exit_code_2(error_runs, args, message):
 
 @pytest.mark.parametrize("args, message", RUN_ERRORS)
 def test_run_errors_are_one_line_with_exit_code_2(error_runs, args, message):
+    _one_line_exit_2(error_runs[tuple(args)], message)
+
+
+@pytest.mark.parametrize("args, message", NESTED_ERRORS)
+def test_nested_config_errors_are_one_line_with_exit_code_2(error_runs, args, message):
     _one_line_exit_2(error_runs[tuple(args)], message)
 
 

@@ -169,46 +169,169 @@ def test_report_png_and_memory(files):
 
 def _small_model(files) -> str:
     """A tiny Llama of 130 ids: too few for UTF-8 bytes, and another model than ``files["model"]``."""
+    return train_fixtures(files["root"])["small"]
+
+
+# Bad input: exit 2, one line, nothing written, before any rank starts ("{name}": a folder of
+# train_fixtures(root); run from any folder, these leave none of their own). Refusals
+# that an argument or the model's config can each cause are listed by both paths (marked "config:"),
+# and those of a multimodal model's nested text config ("nested") as well.
+TRAIN_ERRORS = [
+    # tp must split the heads: --tp 3 on 4 heads; config: 3 heads at the default --tp 2; nested: both
+    (["train", "--model", "{model}", "--tp", "3", "--dp", "1"], "tp_size (3) must divide n_heads (4)"),
+    (["train", "--model", "{heads3}", "--dp", "1"], "tp_size (2) must divide n_heads (3)"),
+    (["train", "--model", "{nested}", "--tp", "3", "--dp", "1"], "tp_size (3) must divide n_heads (4)"),
+    (["train", "--model", "{nested_heads3}", "--dp", "1"], "tp_size (2) must divide n_heads (3)"),
+    # the sequence within the positions: --seq 100 over 64; config: 32 positions under the default 64; nested
+    (["train", "--model", "{model}", "--seq", "100"], "--seq 100 (100 tokens) is longer than this model's 64 positions"),
+    (["train", "--model", "{short_positions}"], "--seq 64 (64 tokens) is longer than this model's 32 positions"),
+    (["train", "--model", "{nested}", "--seq", "200"], "--seq 200 (200 tokens) is longer than this model's 128 positions"),
+    # sizes that make no model, at the top and nested; heads that do not divide the hidden size
+    (["train", "--model", "{negative_layers}"], "num_hidden_layers=-3 must be a positive integer"),
+    (["train", "--model", "{nested_negative_layers}"], "num_hidden_layers=-3 must be a positive integer"),
+    (["train", "--model", "{heads5}"], "The hidden size (48) is not a multiple of the number of attention heads (5)"),
+    # sequence parallelism: arguments (--seq not divisible by tp, tp 1), config (mixture of experts)
+    (["train", "--model", "{model}", "--sequence-parallel", "--seq", "15"], "--seq 15"),
+    (["train", "--model", "{model}", "--sequence-parallel", "--tp", "1"], "--tp is 1"),
+    (["train", "--model", "{mixtral}", "--sequence-parallel"], "has mixture-of-experts layers"),
+    # mixture of experts: the expert width split by tp: --tp 3; config: a width of 33 at the default --tp 2
+    (["train", "--model", "{mixtral}", "--tp", "3", "--dp", "1"], "tp_size (3) must divide"),
+    (["train", "--model", "{mixtral_odd}", "--dp", "1"], "tp_size (2) must divide"),
+    # the vocabulary: an id outside it (data), a vocabulary below the 256 byte values (config)
+    (["train", "--model", "{model}", "--data", "{oov}"], "b.npy: token id 300 at position 1"),
+    (["train", "--model", "{small}", "--data", "{text}"], "vocabulary of 130"),
+    (["train", "--model", "{model}", "--zero", "2"], "--zero 2"),
+    (["train", "--model", "{model}", "--dp", "4", "--tp", "1", "--batch", "6"], "--batch 6"),
+    (["train", "--model", "{model}", "--data", "{missing}"], "missing.txt"),
+    (["train", "--model", "{model}", "--steps", "0"], "--steps must be a positive integer, got 0"),
+    (["train", "--model", "{model}", "--dtype", "float16"], "--dtype 'float16'"),
+    (["train", "--model", "{model}", "--resume", "{not_a_checkpoint}"], "not-a-checkpoint"),
+    (["train", "--model", "{model}", "--out", "{text}"], "is a file"),
+    (["train", "--model", "{gpt2}", "--zero", "3", "--save-every", "2"], "transposed (Conv1D) shard"),
+    # empty paths (Path("") is the working directory), folders that cannot be written
+    (["train", "--model", "{model}", "--out", ""], "--out '' is empty"),
+    (["train", "--model", "{model}", "--data", ""], "--data '' is empty"),
+    (["train", "--model", "{model}", "--export", ""], "--export '' is empty"),
+    (["train", "--model", "{model}", "--resume", ""], "--resume '' is empty"),
+    (["train", "--model", ""], "--model '' is empty"),
+    (["train", "--model", "{model}", "--export", "/proc/tensorpar-export"], "--export: '/proc/tensorpar-export' is not writable"),
+    (["train", "--model", "{model}", "--out", "/proc/tensorpar-out"], "--out: '/proc/tensorpar-out' is not writable"),
+    # more local ranks than any machine holds (8192 processes)
+    (["train", "--model", "{model}", "--dp", "4096", "--tp", "2", "--batch", "4096"], "more local ranks than this machine"),
+    # data that is not a regular file; a tokenizer that does not parse (the file named)
+    (["train", "--model", "{model}", "--data", "{fifo}"], "is a named pipe (FIFO)"),
+    (["train", "--model", "{bad_tokenizer_json}"], "bad-tokenizer-json/tokenizer.json is not valid JSON"),
+    (["train", "--model", "{bad_tokenizer}"], "bad-tokenizer (tokenizer.json) cannot be read: KeyError"),
+    # weights that are not finite: the tensor named (the ranks' proof said "could not split")
+    (["train", "--model", "{nan_weights}"], "tensor 'model.layers.1.mlp.up_proj.weight' in model.safetensors holds NaN"),
+    # an --out holding the checkpoints of a run with another seed
+    (["train", "--model", "{model}", "--out", "{previous_run}", "--seed", "1"],
+     "holds the checkpoints of another run (step 3: seed 0 (now 1)); this run's saves would mix with them"),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def train_fixtures(root: str) -> dict:
+    """The folders TRAIN_ERRORS names, made under ``root`` (once per root)."""
     from tensorpar.models.testing import make_tiny_checkpoint
 
-    small = os.path.join(files["root"], "small-model")
-    if not os.path.isdir(small):
-        make_tiny_checkpoint(small, "llama", seed=1)
-    return small
+    f = _files(root)
+    out = {k: f[k] for k in ("model", "text", "npy")}
+    out["small"] = str(make_tiny_checkpoint(os.path.join(root, "small-model"), "llama", seed=1))
+    out["missing"] = os.path.join(root, "missing.txt")
+    out["not_a_checkpoint"] = _mkdir(root, "not-a-checkpoint")
+    out["oov"] = _mkdir(root, "oov")
+    np.save(os.path.join(out["oov"], "a.npy"), np.arange(100))
+    np.save(os.path.join(out["oov"], "b.npy"), np.array([5, 300, 7]))
+    for arch in ("mixtral", "gpt2"):
+        out[arch] = str(make_tiny_checkpoint(os.path.join(root, arch), arch, seed=1))
+    out["mixtral_odd"] = str(make_tiny_checkpoint(os.path.join(root, "mixtral-odd"), "mixtral", seed=1,
+                                                  intermediate_size=33))
+    big = dict(vocab_size=256)
+    out["heads3"] = str(make_tiny_checkpoint(os.path.join(root, "heads3"), "llama", seed=1, num_attention_heads=3,
+                                             num_key_value_heads=3, **big))
+    out["short_positions"] = str(make_tiny_checkpoint(os.path.join(root, "short-positions"), "llama", seed=1,
+                                                      max_position_embeddings=32, **big))
+    out["negative_layers"] = _edited(f["model"], root, "negative-layers", num_hidden_layers=-3)
+    out["heads5"] = _edited(f["model"], root, "heads5", num_attention_heads=5, head_dim=None)
+    out["nested"] = _nested_model(os.path.join(root, "nested"))
+    out["nested_heads3"] = _nested_model(os.path.join(root, "nested-heads3"), hidden_size=48, num_attention_heads=3,
+                                         num_key_value_heads=1)
+    out["nested_negative_layers"] = _edited(out["nested"], root, "nested-negative-layers",
+                                            text_config={"num_hidden_layers": -3})
+    out["fifo"] = os.path.join(root, "fifo")
+    os.mkfifo(out["fifo"])
+    out["bad_tokenizer_json"] = _edited(f["model"], root, "bad-tokenizer-json", files={"tokenizer.json": "{not json"})
+    out["bad_tokenizer"] = _edited(f["model"], root, "bad-tokenizer",
+                                   files={"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}'})
+    out["nan_weights"] = _nan_weights(f["model"], root)
+    out["previous_run"] = _previous_run(f["model"], root)
+    return out
 
 
-def _bad_inputs(files, tmp):
-    small = _small_model(files)
-    oov = os.path.join(tmp, "oov")
-    os.makedirs(oov)
-    np.save(os.path.join(oov, "a.npy"), np.arange(100))
-    np.save(os.path.join(oov, "b.npy"), np.array([5, 300, 7]))
-    m = ["--model", files["model"]]
-    return [
-        (m + ["--tp", "3", "--dp", "1"], "tp_size (3)"),
-        (m + ["--zero", "2"], "--zero 2"),
-        (m + ["--dp", "4", "--tp", "1", "--batch", "6"], "--batch 6"),
-        (m + ["--data", os.path.join(tmp, "missing.txt")], "missing.txt"),
-        (m + ["--data", oov], "b.npy: token id 300 at position 1"),
-        (["--model", small, "--data", files["text"]], "vocabulary of 130"),
-        (m + ["--sequence-parallel", "--seq", "15"], "--seq 15"),
-        (m + ["--steps", "0"], "--steps must be a positive integer, got 0"),
-        (m + ["--dtype", "float16"], "--dtype 'float16'"),
-        (m + ["--resume", tmp], "not a tensorpar checkpoint"),
-        (m + ["--out", files["text"]], "is a file"),
-        # what the ranks would refuse, refused before they start
-        (["--model", _tiny(files, "mixtral"), "--sequence-parallel"], "has mixture-of-experts layers"),
-        (["--model", _tiny(files, "gpt2"), "--zero", "3", "--save-every", "2"], "transposed (Conv1D) shard"),
-    ]
-
-
-def _tiny(files, arch, **sizes) -> str:
-    from tensorpar.models.testing import make_tiny_checkpoint
-
-    path = os.path.join(files["root"], f"{arch}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}")
-    if not os.path.isdir(path):
-        make_tiny_checkpoint(path, arch, seed=1, **sizes)
+def _mkdir(root: str, name: str) -> str:
+    path = os.path.join(root, name)
+    os.makedirs(path)
     return path
+
+
+def _edited(model: str, root: str, name: str, files: dict | None = None, **config) -> str:
+    """A copy of ``model`` with config.json's fields (a dict value: fields of that nested config)
+    set, None deleting one, and ``files`` written beside."""
+    import shutil
+
+    path = os.path.join(root, name)
+    shutil.copytree(model, path)
+    with open(os.path.join(path, "config.json")) as fh:
+        cfg = json.load(fh)
+    for key, value in config.items():
+        target, items = (cfg[key], value.items()) if isinstance(value, dict) else (cfg, [(key, value)])
+        for k, v in items:
+            target.pop(k) if v is None else target.__setitem__(k, v)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    for fname, text in (files or {}).items():
+        with open(os.path.join(path, fname), "w") as fh:
+            fh.write(text)
+    return path
+
+
+def _nested_model(path: str, **text) -> str:
+    """A tiny Gemma-3 with its vision tower: the language model's sizes (4 heads, 128 positions) in
+    config.json's ``text_config``, none at its top."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tensorpar.models.testing import make_tiny_config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config={**make_tiny_config("gemma3_text").to_dict(), **text}, vision_config=vision,
+                       mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(cfg).save_pretrained(path)
+    return path
+
+
+def _nan_weights(model: str, root: str) -> str:
+    from safetensors.torch import load_file, save_file
+
+    path = _edited(model, root, "nan-weights")
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"][5, 7] = float("nan")
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _previous_run(model: str, root: str) -> str:
+    """An --out folder holding a checkpoint of step 3 that tensorpar train saved with seed 0."""
+    from tensorpar.models import saving
+    from tensorpar.models.testing import make_tiny_model
+
+    out = os.path.join(root, "previous-run")
+    dense = make_tiny_model("llama", seed=3, vocab_size=256)
+    saving.save(dense, torch.optim.AdamW(dense.parameters()), os.path.join(out, "checkpoints"), step=3,
+                extra={"train": {"seed": 0}, "settings": {"lr": 1e-3}})
+    return out
 
 
 def _no_launch(*args, **kwargs):
@@ -217,10 +340,14 @@ def _no_launch(*args, **kwargs):
 
 def test_bad_inputs_exit_2_before_any_rank(files, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
-    for argv, named in _bad_inputs(files, str(tmp_path)):
+    dirs = train_fixtures(files["root"])
+    capsys.readouterr()  # what making them printed (transformers' progress bars)
+    for argv, named in TRAIN_ERRORS:
+        argv = [a.format(**dirs) for a in argv[1:]]  # argv[0]: "train"
         code, out, err = _main(["--out", str(tmp_path / "out"), "--json", *argv], capsys)
         assert code == 2, (argv, err)
-        assert named in err and out["ok"] is False and named in out["error"], (argv, err)
+        assert err.count("\n") == 1 and named in err and out["ok"] is False and named in out["error"], (argv, err)
+        assert not (tmp_path / "out").exists(), argv  # a refused run leaves nothing behind
 
 
 def test_a_resume_with_other_batches_is_refused_before_any_rank(files, tmp_path, capsys, monkeypatch):
@@ -233,6 +360,76 @@ def test_a_resume_with_other_batches_is_refused_before_any_rank(files, tmp_path,
                          (["--seed", str(SEED)], "data '")):
         code, out, err = _main([*m, *extra, "--batch", str(BATCH), "--seq", str(SEQ), "--json"], capsys)
         assert code == 2 and named in err and "would read other batches" in err, (extra, err)
+
+
+def test_an_out_holding_another_runs_checkpoints_is_refused(files, tmp_path, capsys, monkeypatch):
+    """--out of the dp 2 x tp 2 run (its checkpoints hold seed, batch, data, lr, ...): a run with
+    another seed or learning rate is refused naming it; the same run again, or one resuming
+    from those checkpoints (here with another learning rate), reaches the launch."""
+    out = _run(files["root"], "full")["out"]
+    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    same = ["--model", files["model"], "--tp", "2", "--dp", "2", "--data", files["text"], "--out", out, *COMMON]
+    for extra, named in ((["--seed", "8"], "seed 7 (now 8)"), (["--lr", "0.5"], "lr 0.01 (now 0.5)")):
+        code, _, err = _main([*same, *extra], capsys)
+        assert code == 2 and "holds the checkpoints of another run (step 6: " + named in err, (extra, err)
+        assert f"give another --out, or --resume '{os.path.join(out, 'checkpoints')}'" in err, err
+    resume = ["--resume", os.path.join(out, "checkpoints", f"step-{SAVE_AT:08d}"), "--lr", "0.5"]
+    for extra in ([], resume):
+        with pytest.raises(AssertionError, match="a rank was launched"):
+            cli(["train", *same, *extra])
+
+
+def test_room_for_every_checkpoint_and_the_export_before_any_rank(files, tmp_path, capsys, monkeypatch):
+    """Free space for all the checkpoints the run keeps (3 with --save-every 2 of 6 steps, not 1),
+    and for the export beside them on the same filesystem (disk_usage reports less than that). The
+    estimate of one checkpoint covers the dp 2 x tp 2 run's real one, within 2x and 1 MiB."""
+    import shutil
+    from collections import namedtuple
+
+    from tensorpar.jobs.train_checks import checkpoint_bytes
+    from tensorpar.sharding.inventory import build_inventory
+
+    params = build_inventory(files["model"], 2).params_total
+    weights, one = params * 8, checkpoint_bytes(params, 8)  # float64
+    real = os.path.join(_run(files["root"], "full")["out"], "checkpoints", f"step-{SAVE_AT:08d}")
+    real = sum(os.path.getsize(os.path.join(real, f)) for f in os.listdir(real))
+    assert real <= one <= 2 * real + 2 ** 20, (real, one)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 2 * one + weights // 2))
+    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    m = ["--model", files["model"], "--data", files["text"], "--out", str(tmp_path / "o"), *COMMON]
+    for extra, named in ((["--save-every", "2"], "--save-every (3 checkpoints of"),
+                         (["--save-every", "3", "--export", str(tmp_path / "e")],
+                          "--save-every and --export (2 checkpoints of")):
+        code, _, err = _main([*m, *extra], capsys)
+        assert code == 2 and named in err and "not enough free space" in err, (extra, err)
+    with pytest.raises(AssertionError, match="a rank was launched"):  # two checkpoints alone fit
+        cli(["train", *m, "--save-every", "3"])
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_step(files, tmp_path, capsys):
+    """lr 1e30: the loss and gradient norm turn NaN within a few steps. With --allow-nonfinite the
+    run goes on (exit 0, NaN in its report); without, the same global batches on dp 2 ranks (the
+    loss and norm reduced: both ranks stop together) stop at the first step whose loss or gradient
+    norm is not finite (exit 1, named), with every earlier step's checkpoint and neither that
+    step's nor the export. (Overflow from weights of ~1e30 does not hang on rounding: one rank or
+    two reach NaN at the same step.)"""
+    argv = ["--model", files["model"], "--tp", "1", "--lr", "1e30", "--steps", "4", "--seq", "16", "--batch", "4",
+            "--json"]
+    code, on, err = _main([*argv, "--dp", "1", "--allow-nonfinite", "--out", str(tmp_path / "on")], capsys)
+    assert code == 0 and on["ok"] and on["step_numbers"] == [1, 2, 3, 4], err
+    first = next(i + 1 for i, (loss, norm) in enumerate(zip(on["losses"], on["grad_norms"]))
+                 if not (np.isfinite(loss) and np.isfinite(norm)))
+    assert first >= 2, on["losses"]  # a checkpoint before it: the stop must keep it and write no more
+    out = tmp_path / "stop"
+    code, res, err = _main([*argv, "--dp", "2", "--save-every", "1", "--out", str(out), "--export", str(tmp_path / "e")],
+                           capsys)
+    assert code == 1 and res["exit_code"] == 1 and err.count("\n") == 1, err
+    assert f"training stopped at step {first}: " in err and "--allow-nonfinite" in err, err
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert saved == [f"step-{s:08d}" for s in range(1, first)], saved
+    assert f"the last checkpoint is {out / 'checkpoints' / f'step-{first - 1:08d}'}" in err
+    assert not (tmp_path / "e").exists()
 
 
 def test_torchrun_world_size_must_be_dp_times_tp(files, tmp_path, capsys, monkeypatch):

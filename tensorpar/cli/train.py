@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seeds the batches of every step (and the generated model; default 0)")
     p.add_argument("--dtype", default="float32", metavar="NAME", help="float32 (default), float64, bfloat16")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="go on past a step whose loss or gradient norm is NaN or inf (by default training stops "
+                        "there, exit 1, naming the step)")
     p.add_argument("--backend", default="auto", metavar="NAME",
                    help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -52,16 +55,20 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
+    from tensorpar.cli import _fail
     from tensorpar.cli.progress import reporting_rank
-    from tensorpar.jobs.train import TrainConfig, train
+    from tensorpar.jobs.train import NonFiniteLossError, TrainConfig, train
 
     cfg = TrainConfig(model=args.model, tp=args.tp, dp=args.dp, sequence_parallel=args.sequence_parallel,
                       zero=args.zero, steps=args.steps, lr=args.lr, batch=args.batch, seq=args.seq, data=args.data,
                       save_every=args.save_every, out=args.out, resume=args.resume, export=args.export,
                       max_norm=args.max_norm, weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype,
-                      backend=args.backend)
-    with _Progress(quiet=args.json) as bar:
-        report = train(cfg, on_event=bar.on_event if bar.live else None, phase=bar.phase)
+                      backend=args.backend, allow_nonfinite=args.allow_nonfinite)
+    try:
+        with _Progress(quiet=args.json) as bar:
+            report = train(cfg, on_event=bar.on_event if bar.live else None, phase=bar.phase)
+    except NonFiniteLossError as exc:  # the run diverged: named, exit 1 like a failed rank
+        return _fail(args, str(exc), 1)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0
     if args.json:

@@ -88,7 +88,22 @@ def open_tokens(data, vocab_size: int, model_dir) -> TokenStream:
         raise FileNotFoundError(f"--data {str(path)!r} does not exist")
     if path.is_dir():
         return _npy_folder(path, vocab_size)
+    _check_regular(path, "--data")
     return _text_file(path, vocab_size, Path(model_dir))
+
+
+def _check_regular(path: Path, what: str) -> None:
+    """A regular file (or a link to one): a named pipe, a device or a socket would be read forever
+    or block waiting for a writer."""
+    import stat
+
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise ValueError(f"{what} {str(path)!r} is {kind}; give a regular UTF-8 text file or a folder of .npy "
+                         f"token ids")
 
 
 def has_tokenizer(model_dir: Path) -> bool:
@@ -123,17 +138,44 @@ def _packaged(vocab_size: int, model_dir: Path) -> TokenStream:
 
 def _tokenize(text: str, vocab_size: int, model_dir: Path, what: str) -> tuple[np.ndarray, str]:
     if has_tokenizer(model_dir):
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()  # no "sequence longer than the model's maximum" warning: windows are cut later
-        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok = _tokenizer(model_dir)
         return np.asarray(tok.encode(text, add_special_tokens=False), dtype=np.int64), f"the tokenizer of {model_dir}"
     if vocab_size < 256:
         raise ValueError(f"{what}: {model_dir} has no tokenizer and a vocabulary of {vocab_size} ids, fewer than "
                          f"the 256 UTF-8 byte values; give a folder of .npy token ids (--data DIR) or a model "
                          f"with a tokenizer")
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), "UTF-8 bytes"
+
+
+_TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tokenizer(model_dir: Path):
+    """The model's tokenizer; a file of it that does not parse is named (transformers' own errors
+    are a bare parser message or a KeyError that say neither which file nor which folder)."""
+    import json
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    for name in _TOKENIZER_JSON:
+        f = model_dir / name
+        if f.is_file():
+            try:
+                ok = isinstance(json.loads(f.read_text(encoding="utf-8")), dict)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{f} is not valid JSON ({exc}); the model's tokenizer cannot be read: fix or "
+                                 f"remove it, or give --data as a folder of .npy token ids") from None
+            if not ok:
+                raise ValueError(f"{f} is not a JSON object; the model's tokenizer cannot be read")
+    hf_logging.set_verbosity_error()  # no "sequence longer than the model's maximum" warning: windows are cut later
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises bare Exceptions for files it cannot parse
+        present = ", ".join(n for n in (*_TOKENIZER_JSON, "vocab.txt") if (model_dir / n).is_file())
+        words = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ValueError(f"the tokenizer in {model_dir} ({present}) cannot be read: {type(exc).__name__}: {words}; "
+                         f"fix or remove its files, or give --data as a folder of .npy token ids") from None
 
 
 def _npy_folder(path: Path, vocab_size: int) -> TokenStream:
@@ -143,6 +185,7 @@ def _npy_folder(path: Path, vocab_size: int) -> TokenStream:
                          f"more .npy files of 1-D integer token ids")
     parts = []
     for f in files:
+        _check_regular(f, "--data file")
         try:
             arr = np.load(f, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as exc:

@@ -37,9 +37,12 @@ def open_checkpoint(path) -> Checkpoint:
     """Check ``path`` is a Hugging Face checkpoint directory of an architecture transformers knows
     and holds every tensor its model needs, with its shape (headers and index only, no weights
     read: :func:`~tensorpar.models.checkpoint.check_checkpoint`), before any rank starts."""
+    from huggingface_hub.errors import StrictDataclassError
     from tensorpar.models.checkpoint import check_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    if str(path) == "":  # Path("") is the working directory
+        raise ValueError("--model '' is empty; give a Hugging Face checkpoint directory")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -60,7 +63,11 @@ def open_checkpoint(path) -> Checkpoint:
     if family not in CONFIG_MAPPING_NAMES:
         raise ValueError(f"model type {family!r} in {cfg_file} is not known to this transformers; "
                          f"tensorpar splits the architectures transformers can build")
-    check_checkpoint(path)
+    try:
+        check_checkpoint(path)
+    except StrictDataclassError as exc:  # a validator of transformers' configuration class: its own words
+        words = " ".join(str(exc.__cause__ or exc).split())
+        raise ValueError(f"{cfg_file}: transformers refuses this {family} config: {words}") from None
     return Checkpoint(path, family, config)
 
 
@@ -110,9 +117,16 @@ def is_decoder(ckpt: Checkpoint) -> bool:
 
 
 def max_positions(ckpt: Checkpoint) -> int | None:
-    """The longest sequence the model's position table or rotary setting allows (None: no limit known)."""
-    c = ckpt.config
-    return c.get("max_position_embeddings") or c.get("n_positions") or c.get("n_ctx")
+    """The longest sequence the model's position table or rotary setting allows (None: no limit
+    known), from config.json or, in a multimodal model's, from its language model's config
+    (``text_config``, ``llm_config``, ...)."""
+    from tensorpar.planner.hfconfig import text_configs
+
+    for c in text_configs(ckpt.config):
+        limit = c.get("max_position_embeddings") or c.get("n_positions") or c.get("n_ctx")
+        if limit:
+            return limit
+    return None
 
 
 def check_length(ckpt: Checkpoint, tokens: int, what: str) -> None:

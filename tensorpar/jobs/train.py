@@ -1,10 +1,12 @@
 """`tensorpar train`: a causal LM trained on a ``("dp", "tp")`` mesh of local ranks (or torchrun's).
 
-Checked before any rank starts (``ValueError`` naming the value and what is valid): the numbers;
-the layout (tp must split the model's heads: its feasibility check; zero 0 or 3; the global batch
-divisible by dp; the sequence by tp under sequence parallelism; dp x tp equal to torchrun's
-WORLD_SIZE); the checkpoint; the data (every id inside the vocabulary); the checkpoint to resume
-from. Then, on every rank:
+Checked before any rank starts (``ValueError`` naming the value and what is valid; see
+:mod:`tensorpar.jobs.train_checks`): the numbers; the paths (none empty, the folders writable with
+room for every checkpoint and the export); the layout (tp must split the model's heads: its
+feasibility check; zero 0 or 3; the global batch divisible by dp; the sequence by tp under
+sequence parallelism; dp x tp ranks this machine can hold, or torchrun's WORLD_SIZE); the
+checkpoint; the data (every id inside the vocabulary); the checkpoint to resume from; an output
+folder holding another run's checkpoints. Then, on every rank:
 
 - the checkpoint loaded dense and split by ``parallelize(mesh=, data_parallel="ddp"`` (zero 0)
   ``| "fsdp"`` (zero 3) ``, sequence_parallel=)``; AdamW over its parameters;
@@ -13,6 +15,9 @@ from. Then, on every rank:
   the seed alone, dp rank ``d`` on its rows ``[d B/dp, (d+1) B/dp)``; ``train_step`` clips the
   norm of the whole model's gradient; the loss reported is the dp mean of the ranks' mean losses,
   which is the global batch's mean (every rank has as many rows);
+- a loss or gradient norm that is not finite (every rank holds the same: both are reduced) stops
+  the run at that step, before its checkpoint, and :class:`NonFiniteLossError` names the step;
+  ``allow_nonfinite`` goes on;
 - every ``save_every`` steps ``tensorpar.save``; at the end ``tensorpar.export`` if asked.
 
 Each rank reports the bytes it holds: parameters, gradients and optimizer state (its local
@@ -20,7 +25,6 @@ tensors; under FSDP its shards), its peak RSS, and on a GPU torch's peak allocat
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -35,11 +39,11 @@ from tensorpar import dist
 from tensorpar.data import batch_for_step, open_tokens
 from tensorpar.jobs.relay import Relay
 from tensorpar.plots import plot_losses
+from tensorpar.jobs import train_checks as checks
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers)
+from tensorpar.jobs.train_checks import ZERO
 
-ZERO = {0: "ddp", 3: "fsdp"}  # --zero: the ZeRO stage, and PyTorch's engine that gives it
-TRAIN_DTYPES = ("float32", "float64", "bfloat16")
 TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
 COLLECTIVE_TIMEOUT_S = 300.0  # a checkpoint's barrier waits for the slowest rank's writes
 
@@ -65,6 +69,12 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     backend: str = "auto"
+    allow_nonfinite: bool = False  # go on past a step whose loss or gradient norm is NaN or inf
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training reached a loss or gradient norm that is NaN or inf (the model diverged): stopped at
+    that step, its checkpoint not written."""
 
 
 @dataclass
@@ -110,115 +120,57 @@ def train(cfg: TrainConfig, *, on_event=None, phase=no_phase) -> TrainReport:
                                    backend=cfg.backend, timeout=COLLECTIVE_TIMEOUT_S, deadline=None)
     finally:
         relay.close()
+    stopped = per_rank[0]["stopped"]
+    if stopped is not None:
+        raise NonFiniteLossError(_stop_message(cfg, stopped))
     return _report(cfg, plan, per_rank)
+
+
+def _stop_message(cfg: TrainConfig, s: dict) -> str:
+    what = " and ".join(f"{name} is {value}" for name, value in (("the loss", s["loss"]),
+                                                                 ("the gradient norm", s["grad_norm"]))
+                        if not math.isfinite(value))
+    saved = f"; the last checkpoint is {s['last_checkpoint']}" if s["last_checkpoint"] else ""
+    return (f"training stopped at step {s['step']}: {what} (loss {s['loss']:.6g}, gradient norm "
+            f"{s['grad_norm']:.6g}); the model diverged: lower --lr ({cfg.lr:g}), or pass "
+            f"--allow-nonfinite to go on{saved}")
 
 
 # ---- before any rank starts ----------------------------------------------------------------------
 
 def prepare(cfg: TrainConfig) -> dict:
     """Every check, then the model (made if none is given), the tokens and the ranks' spec."""
-    _check_numbers(cfg)
-    _check_layout(cfg)
-    _check_folders(cfg)
-    _check_world(cfg.dp * cfg.tp, cfg.backend)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    checks.check_numbers(cfg)
+    checks.check_layout(cfg)
+    checks.check_paths(cfg)
+    checks.check_world(cfg.dp * cfg.tp, cfg.backend)
+    out = Path(cfg.out)  # made once every check passed (or to hold the tiny model): a refusal leaves nothing
     ckpt = open_checkpoint(_tiny_model(out, cfg.seed) if cfg.model is None else cfg.model)
     if not is_decoder(ckpt):
         raise ValueError(f"--model {str(ckpt.path)!r} is a {ckpt.family} model without a causal-LM head; "
                          f"tensorpar train trains causal LMs (Llama, Mistral, Qwen2, GPT-2, ...)")
     fixes = check_tp(ckpt, cfg.tp)
-    inv = _check_split(cfg, ckpt)
     check_length(ckpt, cfg.seq, f"--seq {cfg.seq}")
+    checks.check_finite_weights(ckpt.path)
+    inv = checks.check_split(cfg, ckpt)
     tokens = open_tokens(cfg.data, _vocab_size(ckpt), ckpt.path)
     if len(tokens) < cfg.seq:
         raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of --seq {cfg.seq}; "
                          f"use --seq {max(2, len(tokens))} or less, or more data")
-    start, folder = _resume_point(cfg, tokens)
+    start, folder = checks.resume_point(cfg, tokens)
+    save_dir = out / "checkpoints"
+    identity, settings = checks.run_identity(cfg, tokens), checks.run_settings(cfg, ckpt.path)
+    checks.check_previous_run(cfg, save_dir, {**identity, **settings}, folder)
+    checks.check_room(cfg, inv.params_total, DTYPES[cfg.dtype].itemsize, start, save_dir)
+    out.mkdir(parents=True, exist_ok=True)
     spec = {"path": str(ckpt.path), "dtype": cfg.dtype, "dp": cfg.dp, "tp": cfg.tp,
             "data_parallel": ZERO[cfg.zero], "sequence_parallel": cfg.sequence_parallel,
             "start": start, "steps": cfg.steps, "batch": cfg.batch, "seq": cfg.seq, "seed": cfg.seed,
             "lr": cfg.lr, "weight_decay": cfg.weight_decay, "max_norm": cfg.max_norm,
-            "save_every": cfg.save_every, "save_dir": str(out / "checkpoints"),
-            "identity": _run_identity(cfg, tokens),
+            "save_every": cfg.save_every, "save_dir": str(save_dir), "identity": identity, "settings": settings,
+            "allow_nonfinite": cfg.allow_nonfinite,
             "resume": folder, "export": None if cfg.export is None else str(Path(cfg.export))}
     return {"spec": spec, "tokens": tokens, "ckpt": ckpt, "fixes": fixes, "out": out, "inventory": inv}
-
-
-def _check_split(cfg: TrainConfig, ckpt):
-    """The model's inventory (its split at this tp, built on the meta device), after refusing what
-    the ranks would refuse later: sequence parallelism over mixture-of-experts layers, and saving
-    a transposed (Conv1D) shard under FSDP."""
-    from tensorpar.sharding import sequence
-    from tensorpar.sharding.inventory import build_inventory
-
-    inv = build_inventory(ckpt.path, cfg.tp, head=True)
-    if cfg.sequence_parallel:
-        moe = sorted({s for s in inv.plan.values() if s in sequence.MOE_STYLES})
-        if moe:
-            raise ValueError(f"--sequence-parallel: {ckpt.path.name} has mixture-of-experts layers ({', '.join(moe)} "
-                             f"regions), which sequence parallelism does not chunk; drop --sequence-parallel")
-    transposed = [p.name for p in inv.params if any(r.transpose for r in p.ranks)]
-    if cfg.zero == 3 and transposed and (cfg.save_every or cfg.export):
-        raise ValueError(f"--zero 3 with --save-every/--export: {transposed[0]} is a transposed (Conv1D) shard, "
-                         f"which tensorpar cannot yet save under FSDP; use --zero 0")
-    return inv
-
-
-def _check_numbers(cfg: TrainConfig) -> None:
-    for name in ("tp", "dp", "steps", "batch", "seq") + (("save_every",) if cfg.save_every is not None else ()):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if cfg.dtype not in TRAIN_DTYPES:
-        raise ValueError(f"--dtype {cfg.dtype!r} is not supported for training; valid: {', '.join(TRAIN_DTYPES)}")
-    for name, value, positive in (("lr", cfg.lr, True), ("max_norm", cfg.max_norm, True),
-                                  ("weight_decay", cfg.weight_decay, False)):
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not number or value < 0 or (positive and value == 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a {'positive' if positive else 'non-negative'} "
-                             f"number, got {value!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 32:
-        raise ValueError(f"--seed must be an integer from 0 to {2 ** 32 - 1}, got {cfg.seed!r}")
-    if cfg.seq < 2:
-        raise ValueError(f"--seq {cfg.seq}: a next-token loss needs windows of at least 2 tokens")
-
-
-def _check_layout(cfg: TrainConfig) -> None:
-    if cfg.zero not in ZERO:
-        raise ValueError(f"--zero {cfg.zero!r} is not supported; valid: 0 (DDP: every dp rank holds its tp "
-                         f"shard whole) or 3 (FSDP: parameters, gradients and optimizer state sharded over dp)")
-    if cfg.batch % cfg.dp:
-        fits = cfg.dp * max(1, cfg.batch // cfg.dp)
-        raise ValueError(f"--batch {cfg.batch} (global sequences per step) must be divisible by --dp {cfg.dp}, "
-                         f"so that every dp rank trains on as many rows; e.g. --batch {fits}")
-    if cfg.sequence_parallel and cfg.tp < 2:
-        raise ValueError("--sequence-parallel splits the sequence over the tp ranks; --tp is 1: use --tp 2 or more")
-    if cfg.sequence_parallel and cfg.seq % cfg.tp:
-        raise ValueError(f"--seq {cfg.seq} must be divisible by --tp {cfg.tp} with --sequence-parallel; "
-                         f"e.g. --seq {cfg.tp * max(1, cfg.seq // cfg.tp)}")
-    from tensorpar.dist.rendezvous import BACKENDS
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"--backend {cfg.backend!r} is not supported; valid: {', '.join(BACKENDS)}")
-
-
-def _check_folders(cfg: TrainConfig) -> None:
-    for name, value in (("out", cfg.out), ("export", cfg.export)):
-        if value is not None and Path(value).exists() and not Path(value).is_dir():
-            raise ValueError(f"--{name} {str(value)!r} is a file; give a folder (made if missing)")
-
-
-def _check_world(world: int, backend: str) -> None:
-    """Local ranks: the backend can serve them (NCCL: a GPU each). Under torchrun the processes are
-    already there: dp x tp must be their number."""
-    from tensorpar.dist.rendezvous import under_torchrun
-    if not under_torchrun():
-        dist.resolve_backend(backend, world)
-        return
-    env = os.environ["WORLD_SIZE"]
-    if env != str(world):
-        raise ValueError(f"--dp x --tp = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
-                         f"run torchrun --nproc-per-node {world} (one node), or choose dp x tp = {env}")
 
 
 def _tiny_model(out: Path, seed: int) -> Path:
@@ -227,6 +179,7 @@ def _tiny_model(out: Path, seed: int) -> Path:
     same files, and none reads a half-written one."""
     from tensorpar.models.testing import make_tiny_checkpoint
 
+    out.mkdir(parents=True, exist_ok=True)
     final, tmp = out / TINY_MODEL, out / f".{TINY_MODEL}.{socket.gethostname()}.{os.getpid()}"
     make_tiny_checkpoint(tmp, "llama", seed=seed, vocab_size=256)
     final.mkdir(exist_ok=True)
@@ -242,70 +195,55 @@ def _vocab_size(ckpt) -> int:
     return int(AutoConfig.from_pretrained(ckpt.path).get_text_config().vocab_size)
 
 
-def _run_identity(cfg: TrainConfig, tokens) -> dict:
-    """What decides the batch of every step (:func:`tensorpar.data.batch_for_step`): kept in each
-    checkpoint, compared on resume."""
-    return {"seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, "data": tokens.fingerprint()}
-
-
-def _resume_point(cfg: TrainConfig, tokens) -> tuple[int, str | None]:
-    """``(step, folder)`` of the checkpoint ``cfg.resume`` names; ``(0, None)`` without one."""
-    if cfg.resume is None:
-        return 0, None
-    from tensorpar.models.saving import COMPLETE, resolve
-
-    folder = resolve(cfg.resume)  # ValueError unless a complete tensorpar checkpoint
-    saved = json.loads((folder / COMPLETE).read_text())
-    step = int(saved["step"])
-    run = saved.get("extra", {}).get("train")
-    if run is not None:  # saved by tensorpar train: the batches of steps after it depend on these
-        now = _run_identity(cfg, tokens)
-        differ = [f"{k} {run[k]!r} (now {now[k]!r})" for k in now if k in run and run[k] != now[k]]
-        if differ:
-            raise ValueError(f"--resume {cfg.resume!r} was trained with " + ", ".join(differ) +
-                             ": resuming would read other batches than the run it continues; use the same "
-                             "--seed, --batch, --seq and --data")
-    if step >= cfg.steps:
-        raise ValueError(f"--resume {cfg.resume!r} is at step {step}; --steps ({cfg.steps}) must be larger "
-                         f"(it is the step to train up to, counted from the start)")
-    return step, str(folder)
-
-
 # ---- on every rank -------------------------------------------------------------------------------
 
 def train_worker(spec: dict, tokens, sink) -> dict:
-    """One rank: build, resume, train steps ``start+1 .. steps`` (saving), export; what it did and holds."""
+    """One rank: build, resume, train steps ``start+1 .. steps`` (saving), export; what it did and
+    holds, and ``stopped``: the step whose loss or gradient norm was not finite (None: none)."""
     from tensorpar.models.saving import export, save
-    from tensorpar.models.training import train_step
 
     device = _device()
     model, opt, mesh = _build(spec, device)
     start = _resume(model, opt, spec)
-    dp, dp_group, lead = spec["dp"], mesh["dp"].get_group(), dist.get_rank() == 0
-    rows = _rows(spec["batch"], dp, mesh["dp"].get_local_rank())
+    lead = dist.get_rank() == 0
+    rows = _rows(spec["batch"], spec["dp"], mesh["dp"].get_local_rank())
     if lead:
         sink.send({"event": "start", "start": start, "steps": spec["steps"], "world_size": dist.get_world_size()})
-    history, saved = [], []
+    history, saved, stopped = [], [], None
     for step in range(start + 1, spec["steps"] + 1):
         ids = batch_for_step(tokens, step, spec["batch"], spec["seq"], spec["seed"], rows).to(device)  # (B/dp, T)
-        t0 = time.perf_counter()
-        res = train_step(model, opt, ids, max_norm=spec["max_norm"])
-        loss = torch.tensor([res["loss"]], dtype=torch.float64, device=device)
-        dist.all_reduce(loss, group=dp_group)  # equal rows per rank: the mean of means is the global mean
-        seconds = time.perf_counter() - t0
-        history.append({"step": step, "loss": loss.item() / dp, "grad_norm": res["grad_norm"], "seconds": seconds,
-                        "tokens_per_s": spec["batch"] * spec["seq"] / seconds})
+        history.append(_step(model, opt, ids, step, spec, mesh["dp"].get_group()))
         memory = dist.all_gather_object(held_bytes(model, opt, device)) if step == start + 1 else None
         if lead:
             sink.send({"event": "step", **history[-1], "memory": memory})
+        h = history[-1]
+        if not (math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"])) and not spec["allow_nonfinite"]:
+            # both are reduced over the ranks: every rank stops here, none saves what diverged
+            stopped = {"step": step, "loss": h["loss"], "grad_norm": h["grad_norm"],
+                       "last_checkpoint": saved[-1] if saved else spec["resume"]}
+            break
         if spec["save_every"] and step % spec["save_every"] == 0:
-            saved.append(str(save(model, opt, spec["save_dir"], step=step, extra={"train": spec["identity"]})))
+            extra = {"train": spec["identity"], "settings": spec["settings"]}
+            saved.append(str(save(model, opt, spec["save_dir"], step=step, extra=extra)))
             if lead:
                 sink.send({"event": "save", "step": step, "path": saved[-1]})
-    if spec["export"] is not None:
+    if spec["export"] is not None and stopped is None:
         export(model, spec["export"])
     return {"history": history, "memory": held_bytes(model, opt, device), "checkpoints": saved,
-            "start": start, "transport": dist.transport(None)}
+            "start": start, "transport": dist.transport(None), "stopped": stopped}
+
+
+def _step(model, opt, ids, step: int, spec: dict, dp_group) -> dict:
+    """One training step; its loss (the global batch's mean), gradient norm and time."""
+    from tensorpar.models.training import train_step
+
+    t0 = time.perf_counter()
+    res = train_step(model, opt, ids, max_norm=spec["max_norm"])
+    loss = torch.tensor([res["loss"]], dtype=torch.float64, device=ids.device)
+    dist.all_reduce(loss, group=dp_group)  # equal rows per rank: the mean of means is the global mean
+    seconds = time.perf_counter() - t0
+    return {"step": step, "loss": loss.item() / spec["dp"], "grad_norm": res["grad_norm"], "seconds": seconds,
+            "tokens_per_s": spec["batch"] * spec["seq"] / seconds}
 
 
 def _build(spec: dict, device: torch.device):

@@ -167,8 +167,14 @@ def _checked_args(model_dir, tp_sizes, dtype, batch, seq, inject_fault):
 
 
 def _n_layers(config: dict) -> int:
-    return (config.get("num_hidden_layers") or config.get("n_layer") or config.get("num_layers")
-            or config.get("decoder_layers") or 0)
+    """The layer count of config.json or, in a multimodal model's, of its language model's config."""
+    from tensorpar.planner.hfconfig import text_configs
+
+    for c in text_configs(config):
+        n = c.get("num_hidden_layers") or c.get("n_layer") or c.get("num_layers") or c.get("decoder_layers")
+        if n:
+            return n
+    return 0
 
 
 # ---- on every rank ---------------------------------------------------------------------------

@@ -44,6 +44,13 @@ def tiny_like(config, tp: int):
             if k not in sizes and not k.startswith("_") and isinstance(v, (bool, str))
             and k not in ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")}
     fields = {**tiny.to_dict(), **keep}
+    for name in getattr(type(config), "sub_configs", None) or {}:  # a composite's text and vision models
+        sub = getattr(config, name, None)
+        if hasattr(sub, "model_type") and hasattr(sub, "to_dict"):  # else the class's full-size default
+            try:
+                fields[name] = tiny_like(sub, tp).to_dict()
+            except ValueError:  # a sub-model type transformers does not list: its own sizes
+                fields[name] = sub.to_dict()
     dims, tiny_dims = model_dims(config), model_dims(tiny)
     if dims is not None and tiny_dims is not None and "num_key_value_heads" in fields:
         kv = _kv_heads(dims.n_heads, dims.n_kv_heads, tiny_dims.n_heads, tp)
