@@ -24,7 +24,8 @@ LAYOUTS = [(2, 2, "ddp", False, "float64"), (2, 2, "fsdp", False, "float64"), (1
            (4, 1, "fsdp", False, "float64"),
            (2, 2, "ddp", True, "float64"), (2, 2, "fsdp", True, "float64"), (1, 4, "fsdp", True, "float64"),
            (1, 4, "ddp", True, "float64"), (1, 4, "fsdp", False, "float64"),
-           (2, 2, "fsdp", True, "float32"), (2, 2, "ddp", False, "float32")]
+           (2, 2, "fsdp", True, "float32"), (2, 2, "ddp", False, "float32"),
+           (2, 2, "fsdp", False, "float64", "phi3-kv1")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +33,8 @@ def results() -> list:
     return dist.launch(W.mesh_worker, 4, LAYOUTS, deadline=900)  # backend "auto": shared memory
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}{'-sp' * x[3]}-{x[4]}")
+@pytest.mark.parametrize("layout", LAYOUTS,
+                         ids=lambda x: f"dp{x[0]}xtp{x[1]}-{x[2]}{'-sp' * x[3]}-{x[4]}{''.join('-' + m for m in x[5:])}")
 def test_training_on_the_mesh_equals_the_single_process_run(layout):
     loss_tol, tol = TOL[layout[4]]
     for res in results():
@@ -47,9 +49,23 @@ def test_training_on_the_mesh_equals_the_single_process_run(layout):
 
 def test_the_training_case_has_power():
     """Clipping acts on most steps and training moves the model: equal curves would otherwise prove little."""
-    r = results()[0][LAYOUTS[0]]
-    assert r["clipped_steps"] >= W.STEPS // 2, r
-    assert r["trained_moved"] > 1e-2, r
+    for layout in (LAYOUTS[0], PHI3):
+        r = results()[0][layout]
+        assert r["clipped_steps"] >= W.STEPS // 2, r
+        assert r["trained_moved"] > 1e-2, r
+
+
+PHI3 = (2, 2, "fsdp", False, "float64", "phi3-kv1")
+
+
+def test_fsdp_clips_replicated_kv_rows_of_a_fused_projection_once():
+    """Phi-3 with one KV head at tp 2: each rank's qkv_proj shard holds that head's K and V rows
+    beside its own query heads, and FSDP puts them all on dp rank 1 (rows 32..63 of 64). The norm
+    counts them once, on the dp rank holding them: the run equals the single-process one (float64,
+    TOL above) only then."""
+    for res in results():
+        assert res[PHI3]["row_replicated"] == [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in (0, 1)]
+        assert res[PHI3]["norm_err"] <= TOL["float64"][1] and res[PHI3]["loss_err"] <= TOL["float64"][0]
 
 
 def test_fsdp_shards_the_parameters_over_dp():
@@ -70,6 +86,24 @@ def test_bad_mesh_arguments_are_refused_before_anything_runs(kwargs, message):
     from tensorpar.models.testing import make_tiny_model
     with pytest.raises(ValueError, match=re.escape(message)):
         parallelize(make_tiny_model("llama"), **kwargs)
+
+
+def test_a_mesh_with_dp_and_no_engine_is_refused_untouched():
+    """dp 2 x tp 2 and data_parallel=None: the dp replicas would each train on their own rows and
+    drift apart. Refused, naming dp and the engines, before anything changes."""
+    for res in results():
+        error, has_report, up_proj = res["no_engine"]
+        assert error is not None and "'dp' dimension of 2" in error and "'ddp'" in error and "'fsdp'" in error
+        assert not has_report and up_proj == "Linear"
+
+
+def test_train_step_refuses_tp_ranks_given_different_batches():
+    """On by default: one all-reduce tells every rank of the tp group, and the error names rank 3
+    (the only one given another batch); with check_batch=False the same step runs."""
+    for res in results():
+        r = res["different_batches"]
+        assert r["refused"] is not None and "given different batches: ranks [3] of the group" in r["refused"], r
+        assert r["unchecked_loss"] > 0
 
 
 def test_data_parallel_on_a_mesh_without_dp_is_refused_untouched():

@@ -18,6 +18,8 @@ rank holds other rows of its tp shard, and a second all-reduce over dp adds them
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 
@@ -117,12 +119,55 @@ def _share_of_square(p, first_row=None) -> torch.Tensor:
     return sq
 
 
+def _digest(tensors) -> int:
+    """A 62-bit number from the shapes, dtypes and bytes of ``tensors`` (SHA-256): equal on two
+    ranks only for equal tensors (a collision aside, 2**-62)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            data = t.detach().cpu().contiguous()
+            h.update(f"{tuple(data.shape)}{data.dtype}".encode())
+            h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return int.from_bytes(h.digest()[:8], "little") >> 2  # 62 bits: -h fits int64 too
+
+
+def check_same_batch(model, input_ids: torch.Tensor, labels=None) -> None:
+    """Refuse ranks of one tensor-parallel group given different batches (each would train the
+    shared weights on its own rows: the split model then matches no unsplit one, silently). One
+    all-reduce (max) of ``[h, -h]``, two int64s, over the tp group: its ranks agree exactly when
+    the largest digest equals the smallest. On a difference every rank sees it, and
+    :class:`~tensorpar.sharding.audit.ReplicaDriftError` names the ranks (one all-gather more)."""
+    group, tp_size = _group(model)
+    if tp_size == 1:
+        return
+    h = _digest((input_ids, labels))
+    both = torch.tensor([h, -h], dtype=torch.int64, device=input_ids.device)  # (2,)
+    dist.all_reduce(both, group=group, op="max", module="train_step")
+    if both[0].item() != -both[1].item():  # max(h) != min(h): the same verdict on every rank
+        _name_different_batches(group, input_ids, h)
+
+
+def _name_different_batches(group, input_ids, h: int) -> None:
+    """Every rank's batch shape and digest (one all-gather), then ReplicaDriftError naming the
+    ranks whose batch is not rank 0's."""
+    from tensorpar.sharding.audit import ReplicaDriftError
+
+    everyone = dist.all_gather_object((tuple(input_ids.shape), h), group)
+    ranks = [r for r, other in enumerate(everyone) if other != everyone[0]]
+    raise ReplicaDriftError(
+        f"the ranks of a tensor-parallel group were given different batches: ranks {ranks} of the group differ "
+        f"from rank 0 (input_ids {everyone[0][0]} there, {[everyone[r][0] for r in ranks]} on them); every tp "
+        f"rank must train on the same rows (dp ranks on their own: slice the global batch by the mesh's dp rank)")
+
+
 def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
-               max_norm: float | None = None, audit: bool = False) -> dict:
+               max_norm: float | None = None, audit: bool = False, check_batch: bool = True) -> dict:
     """One step: loss, backward, optional clipping, optimizer step; ``{"loss", "grad_norm"}``.
 
-    ``audit``: also check that every rank got the same batch and, after the step, that every
-    replicated parameter is still bit-identical across the group (:func:`tensorpar.audit`):
+    ``check_batch`` (on by default): the ranks of the tensor-parallel group hold the same batch
+    (:func:`check_same_batch`: a hash and one all-reduce of 16 bytes; measured in the report of
+    issue 20). ``audit``: also, after the step, that every replicated parameter is still
+    bit-identical across the group (:func:`tensorpar.audit`):
     :class:`~tensorpar.sharding.audit.ReplicaDriftError` names what drifted (ranks seeded or fed
     differently, an optimizer configured differently on one rank). Costs a hash of every
     replicated tensor and one small all-gather: worth it every few hundred steps, or in a test.
@@ -131,6 +176,8 @@ def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
         from tensorpar.sharding.audit import check_same_inputs
 
         check_same_inputs(model.tp_report.tp_group, input_ids=input_ids, labels=labels)
+    elif check_batch:
+        check_same_batch(model, input_ids, labels)
     optimizer.zero_grad(set_to_none=True)
     loss = causal_lm_loss(model, input_ids, labels)
     loss.backward()

@@ -333,13 +333,44 @@ def _rows_grad(grad, *, rows, slot, n_slots, group, name):
     return out
 
 
-def sync_rows_grad(param, rows: tuple, slot: int, n_slots: int, group, name: str):
+class _RowsSum(torch.autograd.Function):
+    """The parameter unchanged forward; backward, its gradient with the replicated rows summed (:func:`_rows_grad`)."""
+
+    @staticmethod
+    def forward(ctx, p, sync):
+        ctx.sync = sync
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _rows_grad(grad, **ctx.sync), None
+
+
+class _RowsGradSum:
+    """A substitute (:class:`_Substitutes`) applying :class:`_RowsSum` to the parameter each forward
+    that takes gradients: in the autograd graph, so it acts on whatever tensor the forward uses,
+    FSDP's unsharded parameter included (a hook on the parameter itself never fires there)."""
+    grad_only = True
+
+    def __init__(self, sync: dict):
+        self.sync = sync
+
+    def __call__(self, p):
+        return _RowsSum.apply(p, self.sync)
+
+
+def sync_rows_grad(param, rows: tuple, slot: int, n_slots: int, group, name: str, *, owner=None, attr=None):
     """Rows of a fused projection's shard that several ranks hold alike (one replicated KV head
     beside this rank's query heads): each rank's gradient of them covers its own query heads
     only, so backward sums them over the ranks sharing ``slot`` (the ``ReplicatedHeadLinear``
     slot scheme: an all-reduce of ``n_slots`` x rows, zeros outside one's own slot). The
     parameter keeps ``tp_rows_sync = {"rows", "slot", "n_slots", "name"}`` (what the planner's
-    inventory reads). Returns the hook handle."""
+    inventory reads). With ``owner`` (the module whose parameter ``attr`` it is) the sum is a
+    forward substitute, which data parallelism's engines keep (FSDP2 computes with an unsharded
+    copy of the parameter); without, a hook on ``param``, whose handle is returned."""
     param.tp_rows_sync = {"rows": tuple(rows), "slot": slot, "n_slots": n_slots, "name": name}
-    return param.register_hook(partial(_rows_grad, rows=tuple(rows), slot=slot, n_slots=n_slots,
-                                       group=group, name=name))
+    sync = {"rows": tuple(rows), "slot": slot, "n_slots": n_slots, "group": group, "name": name}
+    if owner is not None:
+        _substitutes(owner).transforms[attr] = _RowsGradSum(sync)
+        return None
+    return param.register_hook(partial(_rows_grad, **sync))

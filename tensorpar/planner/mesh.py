@@ -198,6 +198,10 @@ def mesh_step(inv: ModelInventory, *, dp: int, data_parallel: str | None, sequen
     sites = sequence_sites(inv) if sequence_parallel else inv.sites
     tp_items, _ = step_items(replace(inv, sites=sites), _Step("training", seq, "sharded", loss=True), batch // dp, e)
     tp_items = _merge(tp_items)
+    if inv.tp > 1:  # train_step's check that the tp ranks hold one batch: max of [h, -h], two int64s
+        tp_items.append(PredictedCollective("all_reduce", "train_step", "forward", inv.tp, 16,
+                                            (ring_bytes_sent("all_reduce", 16, inv.tp),) * inv.tp, 1,
+                                            "the batch's digest compared over tp"))
     if clip and inv.tp > 1:
         tp_items.append(PredictedCollective("all_reduce", "clip_grad_norm", "forward", inv.tp, 8,
                                             (ring_bytes_sent("all_reduce", 8, inv.tp),) * inv.tp, 1,

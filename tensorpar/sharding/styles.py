@@ -151,7 +151,8 @@ def fused_colwise(module, ctx, name):
         for attr in ("weight", "bias"):
             p = getattr(built.module, attr)
             if p is not None:
-                sync_rows_grad(p, replicated, slot, d.n_kv_heads, ctx.tp_group, f"{name}.{attr}")
+                sync_rows_grad(p, replicated, slot, d.n_kv_heads, ctx.tp_group, f"{name}.{attr}",
+                               owner=built.module, attr=attr)
         built.module.replicated_rows = tuple(replicated)
         built.module.row_replicas = ctx.tp_size // d.n_kv_heads
     return built
@@ -279,7 +280,8 @@ def norm_sharded(module, ctx, name):
         head = ctx.tp_rank // replicas
         pieces = ((head * d.head_dim, (head + 1) * d.head_dim),)
         mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group, replicas=replicas)
-        sync_rows_grad(mod.weight, ((0, d.head_dim),), head, d.n_kv_heads, ctx.tp_group, f"{name}.weight")
+        sync_rows_grad(mod.weight, ((0, d.head_dim),), head, d.n_kv_heads, ctx.tp_group, f"{name}.weight",
+                       owner=mod, attr="weight")
         mod.replicated_rows = ((0, d.head_dim),)
         mod.row_replicas = replicas
         return Built(mod, {"weight": ShardSpec("", 0, pieces)})
