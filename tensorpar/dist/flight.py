@@ -14,7 +14,8 @@ The launcher reads the slots every half second and stops the launch with
 :class:`CollectiveMismatchError` when two ranks of one group sit in the same collective (same
 ``seq``) issued differently (another op, shape or dtype), or in different ones for longer than a
 peer can take to leave the previous one; when a rank fails, dies or the deadline passes, it
-names the collective each rank was in (or that a rank was in none: the stuck one).
+names the collective each rank was in (or that a rank was in none: the stuck one), and
+:func:`find_stuck` names the peer a rank has waited for in vain (:mod:`tensorpar.dist.monitor`).
 
 Rank-side checking (``TENSORPAR_CHECK_COLLECTIVES=1``, or :func:`check_collectives`): before each
 collective the group exchanges a signature (one all-gather of 8 int64 per collective) and every
