@@ -82,7 +82,8 @@ def training_audit_worker():
                                                                           lr=1e-2 * (1 + dist.get_rank())),
                                                  ids, audit=True)),
                        ("batch", lambda: train_step(model, opt, ids if dist.get_rank() == 0 else ids.flip(1),
-                                                    audit=True))):
+                                                    audit=True)),
+                       ("default", lambda: train_step(model, opt, ids if dist.get_rank() == 0 else ids.flip(1)))):
         try:
             step()
             out[name] = None

@@ -435,7 +435,29 @@ def wire_worker(numels, dtype_name):
         dist.all_reduce(torch.ones(8), async_op=True).wait()
     with dist.ledger() as plain:  # nor anything unless the ledger asks
         dist.all_reduce(torch.ones(8))
-    return rows, led.records[0].wire_bytes_sent, plain.records[0].wire_bytes_sent, plain.wire_bytes_sent()
+    return rows, led.records[0].wire_bytes_sent, plain.records[0].wire_bytes_sent, plain.wire_bytes_sent(), _strided()
+
+
+def _strided() -> dict:
+    """All-reduce and broadcast of views that are not contiguous (a strided column, a transpose),
+    on this (gloo) group: each equals the same call on a contiguous copy, the rest of the buffer
+    untouched (gloo given such a view returns wrong values and writes past it)."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, view in (("column", lambda b: b[:, 1]), ("transpose", lambda b: b[1:, :3].t())):
+        base = torch.arange(24, dtype=torch.float64).reshape(6, 4) * (r + 1)
+        x = view(base)
+        want = view(torch.arange(24, dtype=torch.float64).reshape(6, 4)) * (p * (p + 1) // 2)
+        outside = base.clone()
+        dist.all_reduce(x)
+        view(outside).copy_(want)
+        out[f"all_reduce {name}"] = bool(torch.equal(base, outside))
+        base = torch.arange(24, dtype=torch.float64).reshape(6, 4) * (r + 1)
+        outside = base.clone()
+        dist.broadcast(view(base), 0)
+        view(outside).copy_(view(torch.arange(24, dtype=torch.float64).reshape(6, 4)))
+        out[f"broadcast {name}"] = bool(torch.equal(base, outside))
+    return out
 
 
 # ---- hangs and stuck ranks: every group's timeout, a peer that never comes, stopped and silent ranks ----
@@ -554,3 +576,12 @@ def silent_rank_worker(directory):
         ctypes.PyDLL(None).sleep(60)
     dist.all_reduce(torch.ones(3))
     return "finished"
+
+
+def nested_launch_worker():
+    """`make faults`: a launch inside a rank, refused there (the message, or "no error")."""
+    try:
+        dist.launch(pid_worker, 2)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)

@@ -300,7 +300,8 @@ def test_the_ring_formula_is_what_the_sockets_carry(world, dtype):
     tree) and a reduce-scatter that all-reduces (twice the bytes)."""
     numels = [1, 64, 1 << 18]  # per rank: the tensors hold numel * group size elements
     out = dist.launch(W.wire_worker, world, numels, dtype, backend="gloo", deadline=120)
-    for rank, (rows, async_wire, plain_wire, plain_total) in enumerate(out):
+    for rank, (rows, async_wire, plain_wire, plain_total, strided) in enumerate(out):
+        assert all(strided.values()), strided  # views that are not contiguous, over gloo: staged, exact
         groups = {q for q, *_ in rows}
         assert groups == ({world, 2} if world == 4 and rank % 2 == 0 else {world})  # the even ranks' sub-group
         assert len(rows) >= 4 * len(numels)
@@ -587,6 +588,7 @@ ENV_ERRORS = [
     ("TENSORPAR_RENDEZVOUS_TIMEOUT", "nan", "valid: a number of seconds >= 0.1 (or unset)"),
     ("TENSORPAR_MAX_LOCAL_RANKS", "0", "valid: an integer from 1 to 1048576 (or unset)"),
     ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "1", "valid: a number of seconds >= 3 (or unset)"),
+    ("TENSORPAR_TRACEBACK", "yes", "valid: 0, 1 (or unset)"),
 ]
 
 
@@ -619,7 +621,7 @@ def test_tensorpar_variables_are_read_as_documented(monkeypatch):
     read = {m for path in package.rglob("*.py") for m in re.findall(r"TENSORPAR_[A-Z_]+", path.read_text())
             if path.name not in ("settings.py",)}
     checked = set(re.findall(r"TENSORPAR_[A-Z_]+", (package / "dist" / "settings.py").read_text()))
-    assert read - checked <= {"TENSORPAR_TRACEBACK", "TENSORPAR_COVERAGE"}, read - checked
+    assert read - checked <= {"TENSORPAR_TRACEBACK", "TENSORPAR_COVERAGE"}, read - checked  # the CLI's, the tests
 
 
 # Leftovers of another job, each refused at once (no rendezvous tried): (variables, expected words)

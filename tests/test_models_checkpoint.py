@@ -277,3 +277,13 @@ def test_a_hub_snapshot_linking_out_of_its_own_blobs_is_refused(tiny_dirs, tmp_p
         with pytest.raises(ValueError, match=r"index.json names files outside the checkpoint folder: "
                                              r"\['model-00002-of-00002.safetensors'\]"):
             load_sharded(snapshot)
+
+
+def test_per_layer_sizes_are_accepted_and_bad_ones_named(tmp_path):
+    """Gemma-3n's config gives intermediate_size per layer (a list): accepted when every entry is a
+    positive integer (it was refused as 'must be a positive integer'), named when one is not."""
+    from tensorpar.models.checkpoint import _check_sizes
+    _check_sizes({"intermediate_size": [64, 64], "num_hidden_layers": 2}, {}, tmp_path)
+    for bad in ([64, 0], [], [64, 1.5], [True]):
+        with pytest.raises(ValueError, match=r"intermediate_size=.* must be a positive integer"):
+            _check_sizes({"intermediate_size": bad}, {}, tmp_path)

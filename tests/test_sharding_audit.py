@@ -49,8 +49,11 @@ def test_a_deep_copy_of_a_split_model_is_still_known_for_what_it_is():
 
 def test_a_training_step_with_audit_names_drift_and_different_batches():
     """What train_step(audit=True) catches: replicas an optimizer moved differently on one rank
-    (named after the step), and ranks fed different batches (refused before it)."""
+    (named after the step), and ranks fed different batches (refused before it); the latter also
+    without audit=, by default."""
     for out in dist.launch(W.training_audit_worker, 2, deadline=120):
         assert out["clean"]
         assert out["lr"] is not None and "norm.weight" in out["lr"] and "ranks [1]" in out["lr"], out["lr"]
         assert out["batch"] is not None and "input_ids differs from rank 0's on ranks [1]" in out["batch"], out["batch"]
+        # without audit=: the batch check train_step makes by default (one 16-byte all-reduce)
+        assert out["default"] is not None and "ranks [1]" in out["default"], out["default"]

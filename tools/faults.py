@@ -44,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -59,64 +60,31 @@ class Case:
     bound_s: float = 60.0
 
 
-# ---- the catalogue ------------------------------------------------------------------------------
-
-# (module, list name): lists of (argv, expected words) the tests also run; "{name}" in an argument
-# is a fixture folder (see _fixtures)
-CLI_LISTS = [
-    ("tests.test_cli_jobs", "VERIFY_ERRORS"),
-    ("tests.test_cli_jobs", "RUN_ERRORS"),
-]
-MORE_BAD_INPUTS = [
-    (["plan", "--model", "llama-2-7b", "--tp", "0"], "tp (0) must be a positive integer"),
-    (["plan", "--model", "no-such-model"], "no-such-model"),
-    (["plan", "--model", "llama-2-7b", "--pp", "0"], "pp (0) must be a positive integer"),
-    (["plan", "--model", "llama-2-7b", "--search"], "--devices"),
-    (["bench", "--suite", "nope"], "--suite 'nope': unknown ['nope']; valid:"),
-    (["bench", "--repeats", "1"], "--repeats 1: need at least 3 rounds"),
-    (["run", "--dtype", "int8"], "--dtype 'int8' is not supported; valid:"),
-    (["verify", "--model", "{llama}", "--tp", ""], "--tp needs at least one size"),
-    (["verify", "--model", "{llama}", "--inject-fault", "9"], "--inject-fault 9: valid blocks are 0..1"),
-    (["run", "--model", "{llama}", "--max-new-tokens", "0"], "--max-new-tokens"),
-]
-
+# ---- the catalogue (tools/fault_cases.py) -------------------------------------------------------
 
 def catalogue() -> list[Case]:
+    import fault_cases as F
+
     cases = []
-    for module, name in CLI_LISTS:
+    for module, name, cls, group in F.CLI_LISTS:
         for argv, words in getattr(importlib.import_module(module), name):
-            cases.append(Case("bad input", " ".join(argv)[:80], "cli", (argv, words)))
-    for argv, words in MORE_BAD_INPUTS:
-        cases.append(Case("bad input", " ".join(argv)[:80], "cli", (argv, words)))
-    return cases + _launch_cases()
+            cases.append(Case(cls, " ".join(argv)[:80], "cli", (argv, words, group)))
+    for name, argv, words in F.security_cases():
+        cases.append(Case("security", f"train --resume on a crafted checkpoint: {name}", "security",
+                          (name, argv, words)))
+    for cls, name, function, args, bound in F.api_cases():
+        cases.append(Case(cls, name, "api", (function, args), bound))
+    for name, spec, bound in F.launch_cases():
+        cases.append(Case("fault", name, "launch", spec, bound))
+    return cases
 
 
-def _launch_cases() -> list[Case]:
-    """Faults inside a launch (run by :func:`launch_fault` in the child)."""
-    out = []
-    for world, bad, how in ((2, 1, "raise"), (4, 2, "raise"), (2, 0, "kill"), (4, 3, "kill")):
-        verb = "raises" if how == "raise" else "is SIGKILLed"
-        out.append(Case("fault", f"rank {bad} of {world} {verb}", "launch",
-                        ("pid_file", world, bad, how), 30 if world == 2 else 45))
-    for name in ("dying", "raising_peer", "mismatch_op", "mismatch_extra", "stuck", "deadline", "torchrun_env",
-                 "drifting_replicas", "launcher_killed", "launcher_interrupted"):
-        out.append(Case("fault", LAUNCH_FAULTS[name][0], "launch", (name,), LAUNCH_FAULTS[name][1]))
-    return out
-
-
-# name: (description, bound in seconds)
-LAUNCH_FAULTS = {
-    "dying": ("a rank dies, its peers lose the connection", 30),
-    "raising_peer": ("a rank raises while its peer waits in a collective", 30),
-    "mismatch_op": ("two ranks in different collectives (all_reduce / all_gather)", 20),
-    "mismatch_extra": ("one rank issues a collective the other does not", 20),
-    "stuck": ("a rank stuck outside any collective (4 s collective timeout)", 25),
-    "deadline": ("the deadline passes (6 s)", 25),
-    "torchrun_env": ("leftover torchrun variables (another world size)", 5),
-    "drifting_replicas": ("replicas drift (optimizer), ranks fed different batches", 60),
-    "launcher_killed": ("the launcher is SIGKILLed", 60),
-    "launcher_interrupted": ("the launcher is sent Ctrl-C", 60),
-}
+def _groups(case: Case) -> set:
+    if case.kind == "cli":
+        return {case.spec[2]}
+    if case.kind == "security":
+        return {"security"}
+    return {"jobs"} if case.kind == "api" else set()
 
 
 # ---- running one case (in the child) ------------------------------------------------------------
@@ -125,12 +93,14 @@ def _one_line(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip()]
 
 
-def judge_cli(res: dict, words: str, expect_ok: bool = False) -> tuple[str, str]:
+def judge_cli(res: dict, words: str | None, rc: int = 2) -> tuple[str, str]:
+    """A command line's result: ``words`` None means it must succeed; else it must exit ``rc``
+    (2: refused before any rank started; 1: stopped by a named error) with one line holding them."""
     lines = _one_line(res["stderr"])
     detail = f"rc {res['rc']}: {res['stderr'].strip()[:160]}"
-    if expect_ok:
+    if words is None:
         return ("clean" if res["rc"] == 0 else "refused"), detail
-    if "Traceback" in res["stderr"] or res["rc"] not in (0, 2):
+    if "Traceback" in res["stderr"] or res["rc"] not in (0, rc):
         return "traceback", detail
     if res["rc"] == 0:
         return "silent", detail
@@ -151,11 +121,11 @@ def judge_exception(exc: BaseException | None, expect: type, words: list[str]) -
     return ("clean" if all(w in text for w in words) else "unclear"), detail
 
 
-def run_cli(argv: list[str], words: str, dirs: dict) -> tuple[str, str]:
+def run_cli(argv: list[str], words: str | None, group: str, dirs: dict) -> tuple[str, str]:
     from tests._cli_batch import run_all
 
-    res = run_all([[a.format(**dirs) for a in argv]])[0]
-    return judge_cli(res, words, expect_ok=words is None)
+    res = run_all([[a.format(**dirs[group]) for a in argv]])[0]
+    return judge_cli(res, words)
 
 
 def _launch_case(worker, world, *args, expect, words, bound_s, **kw) -> tuple[str, str]:
@@ -175,10 +145,17 @@ def _launch_case(worker, world, *args, expect, words, bound_s, **kw) -> tuple[st
 
 
 def launch_fault(name, *args) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix="tensorpar-fault-") as tmp:
+        return _launch_fault(name, tmp, *args)
+
+
+def _launch_fault(name, tmp, *args) -> tuple[str, str]:
+    import fault_cases as F
     from tensorpar import dist
     from tests import _dist_workers as W
 
     os.environ["TENSORPAR_CHECK_COLLECTIVES"] = "0"  # what a user's launch does by default
+    os.environ["TENSORPAR_UNRESPONSIVE_TIMEOUT"] = "3" if name == "silent" else "30"
     if name == "pid_file":
         world, bad, how = args
         with tempfile.TemporaryDirectory() as d:
@@ -198,26 +175,21 @@ def launch_fault(name, *args) -> tuple[str, str]:
                   ["rank 1 not in a collective"]),
         "deadline": (W.stuck_rank_worker, 2, (), dict(timeout=60, deadline=6), dist.LaunchTimeoutError,
                      ["rank 1 not in a collective"]),
+        "mesh_peer": (W.mesh_peer_never_comes_worker, 4, (tmp,), dict(timeout=3, deadline=120), dist.RankStuckError,
+                      ["rank 1 is stuck", "on group [0, 1]"]),
+        "long_timeout_group": (W.long_timeout_group_worker, 2, (tmp,), dict(timeout=2, deadline=60),
+                               dist.RankStuckError, ["rank 1 is stuck", "past the launch's timeout of 2s"]),
+        "stopped": (W.stopped_rank_worker, 2, (tmp,), dict(timeout=20, deadline=60), dist.RankUnresponsiveError,
+                    ["is stopped (/proc state 'T'"]),
+        "silent": (W.silent_rank_worker, 2, (tmp,), dict(timeout=20, deadline=60), dist.RankUnresponsiveError,
+                   ["no heartbeat"]),
     }
     if name in table:
         worker, world, wargs, kw, expect, words = table[name]
-        return _launch_case(worker, world, *wargs, expect=expect, words=words, bound_s=LAUNCH_FAULTS[name][1], **kw)
-    return {"torchrun_env": _leftover_torchrun_env, "drifting_replicas": _drifting_replicas,
+        return _launch_case(worker, world, *wargs, expect=expect, words=words, bound_s=F.LAUNCH_FAULTS[name][1], **kw)
+    return {"drifting_replicas": _drifting_replicas,
             "launcher_killed": lambda: _launcher_case("kill"),
             "launcher_interrupted": lambda: _launcher_case("interrupt")}[name]()
-
-
-def _leftover_torchrun_env() -> tuple[str, str]:
-    """RANK, WORLD_SIZE and MASTER_* left from another job, for another world size: refused at once."""
-    from tests import _dist_workers as W
-
-    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-    os.environ.update(env)
-    try:
-        return _launch_case(W.pid_worker, 2, expect=ValueError, words=["unset RANK WORLD_SIZE"], bound_s=2)
-    finally:
-        for k in env:
-            os.environ.pop(k)
 
 
 def _drifting_replicas() -> tuple[str, str]:
@@ -271,54 +243,38 @@ def _launcher_case(how: str) -> tuple[str, str]:
     return ("clean" if text.strip().splitlines()[-1:] == ["interrupted"] else "unclear"), detail
 
 
-def run_api(target: str, args: list) -> tuple[str, str]:
-    """``module:function(*args)`` returns ``(outcome, detail)`` itself (an API case judges its own
-    call with :func:`judge_exception`)."""
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)(*args)
-
-
 def child(indices: list[int], fixtures: str) -> None:
     """Run the cases ``indices``, one JSON line each (``start`` before, the outcome after)."""
+    import fault_cases as F
+
     cases = catalogue()
-    dirs = _fixture_dirs(Path(fixtures))
+    dirs = json.loads((Path(fixtures) / "fixtures.json").read_text())
     for i in indices:
         case = cases[i]
         print(json.dumps({"start": i}), flush=True)
         try:
             if case.kind == "cli":
                 outcome, detail = run_cli(*case.spec, dirs)
+            elif case.kind == "security":
+                outcome, detail = F.run_security(*case.spec, dirs)
             elif case.kind == "launch":
                 outcome, detail = launch_fault(*case.spec)
             else:
-                outcome, detail = run_api(*case.spec)
+                outcome, detail = F.run_api(*case.spec, dirs)
         except Exception as exc:  # noqa: BLE001 - a case that raises where it should judge is a traceback
             outcome, detail = "traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
         print(json.dumps({"done": i, "outcome": outcome, "detail": detail}), flush=True)
 
 
-# ---- fixtures -----------------------------------------------------------------------------------
+def make_fixtures(root: Path, groups: set) -> None:
+    """The folders the cases name, each group's made once under ``root``, listed in fixtures.json."""
+    import fault_cases as F
 
-def make_fixtures(root: Path) -> None:
-    """The folders the command lines name (``{llama}``, ``{truncated}``, ...), made once."""
-    from tensorpar.models.testing import make_tiny_checkpoint
-    from tests.test_cli_jobs import _broken_checkpoints
-
-    llama = make_tiny_checkpoint(root / "llama", "llama")
-    for name, config in (("unknown", {"model_type": "not_a_model"}), ("corrupt", {"model_type": "t5"}),
-                         ("broken", None)):
-        (root / name).mkdir()
-        (root / name / "config.json").write_text("{model_type: llama" if config is None else json.dumps(config))
-        (root / name / "model.safetensors").write_bytes(b"")
-    broken = root / "broken-copies"
-    broken.mkdir()
-    _broken_checkpoints(llama, broken)
-
-
-def _fixture_dirs(root: Path) -> dict:
-    dirs = {p.name: str(p) for p in root.iterdir() if p.is_dir() and p.name != "broken-copies"}
-    dirs.update({p.name: str(p) for p in (root / "broken-copies").iterdir() if p.is_dir()})
-    return dirs
+    dirs = {}
+    for group in sorted(groups):
+        (root / group).mkdir()
+        dirs[group] = {k: str(v) for k, v in F.FIXTURES[group](root / group).items()}
+    (root / "fixtures.json").write_text(json.dumps(dirs))
 
 
 # ---- the parent ---------------------------------------------------------------------------------
@@ -450,7 +406,7 @@ def main(argv: list[str]) -> int:
     before = _leftovers()
     _SEEN.update(before)
     with tempfile.TemporaryDirectory(prefix="tensorpar-faults-") as tmp:
-        make_fixtures(Path(tmp))
+        make_fixtures(Path(tmp), set().union(*(_groups(cases[i]) for i in indices)))
         results = run_cases(cases, indices, Path(tmp))
     time.sleep(10)  # what a case left: still there 10 s after the last one ended
     after = _leftovers()

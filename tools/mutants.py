@@ -6,6 +6,8 @@ off, a formula off by a factor); this script applies it to a copy of the working
 tests that should fail, and reports the mutants that survive (their tests still passed). None
 may survive: a survivor is a gap in the tests, to be closed by a test that fails on it.
 
+The list below holds the first ones; tools/mutants_<area>.py hold those of each later area.
+
     python tools/mutants.py            # all
     python tools/mutants.py verify     # those whose name contains "verify"
     python tools/mutants.py --baseline # first check each selection passes unmutated
@@ -253,13 +255,13 @@ MUTANTS = [
 ]
 
 
-def _drafts() -> list:
-    """Mutants drafted beside this catalogue (``tools/_mutants_*.py``, each a ``MUTANTS`` list of
-    :class:`Mutant`), while work that adds them is under way; merged into the list above when it lands."""
+def _by_area() -> list:
+    """The catalogue's other parts: ``tools/mutants_<area>.py``, each a ``MUTANTS`` list of
+    :class:`Mutant` for one area (checkpoints, launch, runtime, train)."""
     import importlib.util
 
     out = []
-    for path in sorted(Path(__file__).parent.glob("_mutants_*.py")):
+    for path in sorted(Path(__file__).parent.glob("mutants_*.py")):
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -338,7 +340,7 @@ def run(selected: list[Mutant]) -> list[Mutant]:
 def main(argv: list[str]) -> int:
     check_first = "--baseline" in argv
     argv = [a for a in argv if a != "--baseline"]
-    selected = [m for m in MUTANTS + _drafts() if not argv or any(a in m.name for a in argv)]
+    selected = [m for m in MUTANTS + _by_area() if not argv or any(a in m.name for a in argv)]
     print(f"{len(selected)} mutants", flush=True)
     if check_first and not baseline(selected):
         print("a selection fails without any mutant: fix the tests first")

@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(args, _one_line(exc), 2)
     except _launch_errors() as exc:  # a rank failed or the launch timed out: named, exit 1
         detail = str(exc).split("\n--- traceback on rank", 1)[0]
-        hint = "" if os.environ.get("TENSORPAR_TRACEBACK") else " (TENSORPAR_TRACEBACK=1 prints the rank's traceback)"
-        if os.environ.get("TENSORPAR_TRACEBACK"):
+        wanted = os.environ.get("TENSORPAR_TRACEBACK") == "1"  # checked (0 or 1) before any rank started
+        hint = "" if wanted else " (TENSORPAR_TRACEBACK=1 prints the rank's traceback)"
+        if wanted:
             sys.stderr.write(getattr(exc, "remote_traceback", "") or "")
         return _fail(args, _one_line(detail) + hint, 1)
     except KeyboardInterrupt:

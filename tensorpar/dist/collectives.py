@@ -77,6 +77,9 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     """
     if op not in _OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; valid: {', '.join(_OPS)}")
+    if async_op and not x.is_contiguous():
+        raise ValueError(f"an asynchronous all_reduce needs a contiguous tensor (got shape {tuple(x.shape)}, "
+                         f"strides {x.stride()}): pass x.contiguous() and copy the result back after wait()")
     segment = None if async_op else shm.segment_of(group, x)  # only groups of 2 or more have one
     if segment is None and group_size(group) == 1:
         return None if async_op else x
@@ -88,8 +91,11 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     else:
         try:
             with _on_wire(None if async_op else led, group):
-                work = (shm.all_reduce(segment, x, op) if segment is not None else
-                        tdist.all_reduce(x, op=_OPS[op], group=group, async_op=async_op))
+                if segment is not None:
+                    work = shm.all_reduce(segment, x, op)
+                else:
+                    with _staged(x) as buf:
+                        work = tdist.all_reduce(buf, op=_OPS[op], group=group, async_op=async_op)
         except BaseException:
             flight.own_done()  # the backend records PyTorch's own calls again
             raise
@@ -175,9 +181,23 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
         if segment is not None:
             shm.broadcast(segment, x, src)
         else:
-            tdist.broadcast(x, src=global_src, group=group)
+            with _staged(x) as buf:
+                tdist.broadcast(buf, src=global_src, group=group)
     increment_version(x)
     return x
+
+
+@contextlib.contextmanager
+def _staged(x: torch.Tensor):
+    """``x``, or a contiguous copy of it written back after the call: gloo given a strided view
+    (a slice with a stride, a transpose) returns wrong values and writes past the view, silently
+    (torch 2.13), and NCCL needs contiguous memory."""
+    if x.is_contiguous():
+        yield x
+        return
+    buf = x.contiguous()
+    yield buf
+    x.copy_(buf)
 
 
 def split_own(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -103,8 +103,13 @@ def unresponsive_timeout() -> float | None:
     return _seconds("TENSORPAR_UNRESPONSIVE_TIMEOUT", None, 3.0)
 
 
+def traceback() -> bool:
+    """``TENSORPAR_TRACEBACK``: ``1`` makes the command line print a failed rank's traceback."""
+    return _choice("TENSORPAR_TRACEBACK", ("0", "1"), "0") == "1"
+
+
 READERS = (transport, shm_slot_bytes, check_collectives, rendezvous, rendezvous_timeout, max_local_ranks,
-           unresponsive_timeout)
+           unresponsive_timeout, traceback)
 
 
 def check_all() -> None:

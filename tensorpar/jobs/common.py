@@ -129,6 +129,14 @@ def max_positions(ckpt: Checkpoint) -> int | None:
     return None
 
 
+def vocab_size(ckpt: Checkpoint) -> int:
+    """The language model's vocabulary (a multimodal model's ``text_config`` and the like: read
+    as transformers reads it)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(ckpt.path).get_text_config().vocab_size)
+
+
 def check_length(ckpt: Checkpoint, tokens: int, what: str) -> None:
     limit = max_positions(ckpt)
     if limit is not None and tokens > limit:

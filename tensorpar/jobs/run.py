@@ -90,6 +90,7 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
         options = {"do_sample": do_sample, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                    "seed": seed, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "engine": engine}
         task = _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options)
+        dist.check_world(tp)  # TENSORPAR_* values, torchrun's variables, room for the ranks: before any starts
         backend = dist.resolve_backend(backend, tp)
     spec = {"path": str(ckpt.path), "dtype": dtype, **task}
     with phase(f"{tp} ranks: shards, {task['task']}; rank 0: unsplit model"):

@@ -18,7 +18,7 @@ import torch
 
 from tensorpar import dist
 from tensorpar.data.tokens import has_tokenizer
-from tensorpar.jobs.common import check_length
+from tensorpar.jobs.common import check_length, vocab_size
 
 DEFAULT_PROMPT = "Tensor parallelism splits a model across"
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "seed")
@@ -37,7 +37,7 @@ def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
-    vocab = ckpt.config.get("vocab_size")
+    vocab = vocab_size(ckpt)
     # generate's own rules (its sampler, its stop tokens), applied here before any rank starts
     Sampler(**{k: options[k] for k in SAMPLING})
     _stop_ids(options["eos_token_id"], vocab)
@@ -75,7 +75,7 @@ def prompt_rows(ckpt, prompt, prompt_ids) -> list[list[int]]:
         rows, names = _tokenize(ckpt.path, texts), [f" (--prompt {t!r})" for t in texts]
     else:
         rows, names = [list(range(1, 9))], None  # no tokenizer and no prompt: fixed ids
-    vocab = ckpt.config.get("vocab_size")
+    vocab = vocab_size(ckpt)
     for i, ids in enumerate(rows):
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if not ids or bad:

@@ -41,7 +41,7 @@ from tensorpar.jobs.relay import Relay
 from tensorpar.plots import plot_losses
 from tensorpar.jobs import train_checks as checks
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
-                                   open_checkpoint, quiet_transformers)
+                                   open_checkpoint, quiet_transformers, vocab_size)
 from tensorpar.jobs.train_checks import ZERO
 
 TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
@@ -153,7 +153,7 @@ def prepare(cfg: TrainConfig) -> dict:
     check_length(ckpt, cfg.seq, f"--seq {cfg.seq}")
     checks.check_finite_weights(ckpt.path)
     inv = checks.check_split(cfg, ckpt)
-    tokens = open_tokens(cfg.data, _vocab_size(ckpt), ckpt.path)
+    tokens = open_tokens(cfg.data, vocab_size(ckpt), ckpt.path)
     if len(tokens) < cfg.seq:
         raise ValueError(f"the data holds {len(tokens)} tokens, fewer than one window of --seq {cfg.seq}; "
                          f"use --seq {max(2, len(tokens))} or less, or more data")
@@ -187,12 +187,6 @@ def _tiny_model(out: Path, seed: int) -> Path:
         os.replace(f, final / f.name)
     tmp.rmdir()
     return final
-
-
-def _vocab_size(ckpt) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(ckpt.path).get_text_config().vocab_size)
 
 
 # ---- on every rank -------------------------------------------------------------------------------

@@ -91,14 +91,13 @@ def check_world(world: int, backend: str) -> None:
     GPU each). Under torchrun the processes are already there: dp x tp must be their number."""
     from tensorpar import dist
     from tensorpar.dist.rendezvous import under_torchrun
-    if not under_torchrun():
-        dist.check_local_world(world)  # the launcher's rule: ranks per core, memory per rank
-        dist.resolve_backend(backend, world)
-        return
-    env = os.environ["WORLD_SIZE"]
-    if env != str(world):
+    env = os.environ.get("WORLD_SIZE")
+    if under_torchrun() and env != str(world):
         raise ValueError(f"--dp x --tp = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
                          f"run torchrun --nproc-per-node {world} (one node), or choose dp x tp = {env}")
+    dist.check_world(world)  # the launcher's checks: TENSORPAR_* values, torchrun's variables, room for the ranks
+    if not under_torchrun():
+        dist.resolve_backend(backend, world)
 
 
 def check_split(cfg, ckpt):

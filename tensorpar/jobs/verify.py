@@ -139,6 +139,8 @@ def verify(model_dir, tp_sizes, *, dtype: str = "float32", batch: int = 2, seq: 
     a context manager around each phase (the CLI shows them with their time)."""
     with phase("checking the checkpoint (headers, sizes, tp)"):
         ckpt = _checked_args(model_dir, tp_sizes, dtype, batch, seq, inject_fault)
+        for tp in tp_sizes:
+            dist.check_world(tp)  # TENSORPAR_* values, torchrun's variables, room for the ranks
     checks = []
     for tp in tp_sizes:
         spec = {"path": str(ckpt.path), "dtype": dtype, "batch": batch, "seq": seq,

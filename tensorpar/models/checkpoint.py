@@ -226,7 +226,8 @@ def _check_sizes(config: dict, meta: dict, path: Path) -> None:
     for cfg in configs:
         for name in _CORE_SIZES:
             v = cfg.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            per_layer = isinstance(v, list) and v and all(map(_positive, v))  # Gemma-3n: one size per layer
+            if v is not None and not (_positive(v) or per_layer):
                 raise ValueError(f"{path / 'config.json'}: {name}={v!r} must be a positive integer")
     held = {int(m.group(1)) for key in meta for m in [_LAYER_KEY.search(f".{key}")] if m}
     if not held:
@@ -237,6 +238,10 @@ def _check_sizes(config: dict, meta: dict, path: Path) -> None:
             if isinstance(v, int) and v > max(held) + 1:
                 raise ValueError(f"{path / 'config.json'}: {name}={v} but the checkpoint's tensors hold layers "
                                  f"0..{max(held)} only ({max(held) + 1}); config.json does not describe these weights")
+
+
+def _positive(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _file_header(file: Path) -> dict:
