@@ -239,7 +239,9 @@ def _as_hub_cache(src, root, org="org"):
     staging.mkdir(parents=True)
     for name, part in files.items():
         save_file({k: tensors[k] for k in part}, staging / name, metadata={"format": "pt"})
-    _index_of(staging, {k: name for name, part in files.items() for k in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())  # as the hub's indexes carry it
+    (staging / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": {k: name for name, part in files.items() for k in part}}))
     shutil.copy(src / "config.json", staging / "config.json")
     repo = root / f"models--{org}--tiny"
     snapshot = repo / "snapshots" / "0123abcd"

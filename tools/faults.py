@@ -264,6 +264,7 @@ def child(indices: list[int], fixtures: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a case that raises where it should judge is a traceback
             outcome, detail = "traceback", f"{type(exc).__name__}: {str(exc)[:160]}"
         print(json.dumps({"done": i, "outcome": outcome, "detail": detail}), flush=True)
+        sys.stdin.readline()  # the parent has looked for what the case left: only then the next one
 
 
 def make_fixtures(root: Path, groups: set) -> None:
@@ -284,7 +285,7 @@ def run_cases(cases: list[Case], indices: list[int], fixtures: Path) -> dict:
     results, left = {}, list(indices)
     while left:
         proc = subprocess.Popen([sys.executable, __file__, "--child", ",".join(map(str, left)), str(fixtures)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 start_new_session=True, cwd=ROOT)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout] + [lines.put(None)],
@@ -307,6 +308,8 @@ def run_cases(cases: list[Case], indices: list[int], fixtures: Path) -> dict:
                 _print(cases[msg["done"]], *results[msg["done"]])
                 left.remove(msg["done"])
                 current = None
+                proc.stdin.write("next\n")
+                proc.stdin.flush()
             elif current is not None and time.monotonic() - started > cases[current].bound_s + 30:
                 os.killpg(proc.pid, signal.SIGKILL)
                 results[current] = ("hang", f"still running after {cases[current].bound_s + 30:.0f} s: killed")
