@@ -585,3 +585,8 @@ def nested_launch_worker():
         return "no error"
     except ValueError as exc:
         return str(exc)
+
+
+def environment_worker(name):
+    """What a rank sees: the variable ``name`` and its parent process."""
+    return os.environ.get(name), os.getppid()

@@ -747,3 +747,24 @@ def test_launch_refusals_reach_the_command_line_as_one_line(tmp_path, no_rank_st
                                   run_all([[a.format(out=tmp_path / "out") for a in argv] for argv, _ in LAUNCH_CLI_ERRORS])):
         lines = res["stderr"].strip().splitlines()
         assert res["rc"] == 2 and len(lines) == 1 and words in lines[0] and not res["stdout"], res
+
+
+def test_ranks_start_from_the_fork_server_with_the_launchers_environment_now(monkeypatch):
+    """Local ranks are forked from multiprocessing's fork server (torch imported there once), so
+    their parent is the server, not this process; each gets the launcher's environment as it is at
+    the launch (a variable set after the server started reaches the rank; one outside TENSORPAR_*
+    restarts the server, as modules read some at import); TENSORPAR_START_METHOD=spawn starts
+    fresh interpreters, children of this process."""
+    monkeypatch.delenv("TENSORPAR_FORK_CHECK", raising=False)
+    first = dist.launch(W.environment_worker, 2, "TENSORPAR_FORK_CHECK")
+    assert [v for v, _ in first] == [None, None] and all(ppid != os.getpid() for _, ppid in first), first
+    monkeypatch.setenv("TENSORPAR_FORK_CHECK", "set after the server started")
+    again = dist.launch(W.environment_worker, 2, "TENSORPAR_FORK_CHECK")
+    assert [v for v, _ in again] == ["set after the server started"] * 2, again
+    assert {p for _, p in again} == {p for _, p in first}  # the same server: TENSORPAR_* is read when used
+    monkeypatch.setenv("SOME_LIBRARY_SETTING", "read at import")
+    restarted = dist.launch(W.environment_worker, 2, "SOME_LIBRARY_SETTING")
+    assert [v for v, _ in restarted] == ["read at import"] * 2 and {p for _, p in restarted} != {p for _, p in first}
+    monkeypatch.setenv("TENSORPAR_START_METHOD", "spawn")
+    spawned = dist.launch(W.environment_worker, 2, "SOME_LIBRARY_SETTING")
+    assert all(ppid == os.getpid() for _, ppid in spawned) and spawned[0][0] == "read at import", spawned

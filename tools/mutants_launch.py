@@ -65,4 +65,10 @@ MUTANTS = [
       "return all(k in os.environ for k in _TORCHRUN_VARS) and settings.rendezvous() != \"local\"",
       "return all(k in os.environ for k in _TORCHRUN_VARS)",
       (T, "-k", "rank_order")),
+    M("ranks keep the fork server's environment, not the launcher's now", "dist/launcher.py",
+      "os.environ.update(environ)", "os.environ.update({k: v for k, v in environ.items() if k in os.environ})",
+      ("tests/test_dist.py", "-k", "fork_server")),
+    M("the fork server not restarted when the environment changed", "dist/launcher.py",
+      'if _SERVER_ENV.get("key") not in (None, key):', "if False:",
+      ("tests/test_dist.py", "-k", "fork_server")),
 ]

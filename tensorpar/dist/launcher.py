@@ -29,6 +29,7 @@ the ranks cannot import, a launch inside a rank, more ranks than the machine hol
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import io
@@ -46,7 +47,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import flight, liveness, preflight
+from tensorpar.dist import flight, liveness, preflight, settings
 from tensorpar.dist.monitor import (LaunchTimeoutError, MismatchedCollectivesError, Monitor, RankFailedError,
                                     RankStuckError, RankUnresponsiveError)
 from tensorpar.dist.reaper import Reaper
@@ -79,7 +80,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
     if under_torchrun():
         return _run_under_torchrun(fn, world_size, args, backend, timeout)
     backend = resolve_backend(backend, world_size)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = _Inbox(ctx, world_size)
     slots = [flight.new_slot(ctx) for _ in range(world_size)]
     beats = [liveness.new_beat(ctx) for _ in range(world_size)]
@@ -88,7 +89,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
                              args=(rank, world_size, store, backend, timeout, fn, args, results.sender(rank),
-                                   slots[rank], beats[rank]))
+                                   slots[rank], beats[rank], dict(os.environ)))
                  for rank in range(world_size)]
         reaper = Reaper()  # stops the ranks' groups and removes tmp if this process dies without doing it
         reaper.folder(tmp)
@@ -100,6 +101,51 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
             sweep_stale()  # a segment a rank made and died before unlinking
             reaper.done()
             results.close()
+
+
+# What the fork server imports once, so that each rank forked from it starts with them loaded
+# (a rank that imports torch and transformers itself takes seconds; a fork, milliseconds).
+# Modules missing here (transformers is an optional extra) are skipped by the server.
+PRELOAD = ("torch", "torch.distributed", "tensorpar.dist", "tensorpar.nn", "transformers",
+           "transformers.modeling_utils")
+_SERVER_ENV: dict = {}  # {"key": the environment the fork server started with}
+
+
+def _context():
+    """multiprocessing's ``forkserver`` context (the standard library's fork server, started once
+    per launching process, with :data:`PRELOAD` imported), or ``spawn`` where the platform has no
+    fork server or ``TENSORPAR_START_METHOD=spawn`` asks. The server is restarted when the
+    environment differs from the one it started with (outside ``TENSORPAR_*``, which are read
+    when used): what a module read from it at import (``HF_HUB_OFFLINE``, thread counts) must be
+    what the launcher has now. Each rank still gets the launcher's whole environment at start."""
+    if settings.start_method() == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    key = sorted((k, v) for k, v in os.environ.items() if not k.startswith("TENSORPAR_"))
+    if _SERVER_ENV.get("key") not in (None, key):
+        forkserver._forkserver._stop()  # the standard library's own way to stop its server
+    if _SERVER_ENV.get("key") != key:
+        ctx.set_forkserver_preload(list(PRELOAD))
+        with _single_threaded():  # the server forks every rank: no thread pool of its own to copy
+            forkserver.ensure_running()
+        _SERVER_ENV["key"] = key
+    return ctx
+
+
+@contextlib.contextmanager
+def _single_threaded():
+    """While the fork server starts (it inherits this environment): one OpenMP / BLAS thread, so
+    that importing numpy and torch there starts no worker threads, which a fork would not copy."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: "1" for k in names})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def _start(procs, results, reaper) -> None:
@@ -254,7 +300,11 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's terminate/kill still stops this rank
 
 
-def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None, beat=None) -> None:
+def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None, beat=None,
+               environ=None) -> None:
+    if environ is not None:  # the launcher's environment now, not the fork server's when it started
+        os.environ.clear()
+        os.environ.update(environ)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
     os.setpgid(0, 0)  # a group of its own: the launcher stops the rank with whatever it starts

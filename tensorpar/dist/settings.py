@@ -103,13 +103,19 @@ def unresponsive_timeout() -> float | None:
     return _seconds("TENSORPAR_UNRESPONSIVE_TIMEOUT", None, 3.0)
 
 
+def start_method() -> str:
+    """``TENSORPAR_START_METHOD``: how local ranks are started: ``forkserver`` (default: forked
+    from a server process that imported torch once) or ``spawn`` (a fresh interpreter per rank)."""
+    return _choice("TENSORPAR_START_METHOD", ("forkserver", "spawn"), "forkserver")
+
+
 def traceback() -> bool:
     """``TENSORPAR_TRACEBACK``: ``1`` makes the command line print a failed rank's traceback."""
     return _choice("TENSORPAR_TRACEBACK", ("0", "1"), "0") == "1"
 
 
 READERS = (transport, shm_slot_bytes, check_collectives, rendezvous, rendezvous_timeout, max_local_ranks,
-           unresponsive_timeout, traceback)
+           unresponsive_timeout, start_method, traceback)
 
 
 def check_all() -> None:
