@@ -71,4 +71,8 @@ MUTANTS = [
     M("the fork server not restarted when the environment changed", "dist/launcher.py",
       'if _SERVER_ENV.get("key") not in (None, key):', "if False:",
       ("tests/test_dist.py", "-k", "fork_server")),
+    M("ranks without torchrun's variables (Hugging Face's tp_plan reads its world from them)", "dist/launcher.py",
+      "os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),",
+      "os.environ.update(LOCAL_RANK=str(rank),",
+      ("tests/test_interop.py",)),
 ]

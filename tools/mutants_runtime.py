@@ -103,4 +103,7 @@ MUTANTS = [
     M("gloo given a strided view: not staged through a contiguous copy", "dist/collectives.py",
       "if x.is_contiguous():", "if True:",
       ("tests/test_dist.py", "-k", "sockets_carry and 2-float32")),
+    M("the shared-memory group has no backend for PyTorch's functional collectives", "dist/shm.py",
+      "self._register_backend(torch.device(\"cpu\"), tdist.ProcessGroup.BackendType.GLOO, self._gloo)", "pass",
+      ("tests/test_interop.py",)),
 ]

@@ -36,8 +36,14 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
+from tensorpar.architecture.tiny import BENCH_LLAMA
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
-from tensorpar.models.testing import BENCH_LLAMA
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.generation import generate
+from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.planner.hardware import custom_hardware
+from tensorpar.planner.inventory_plan import plan_inventory
+from tensorpar.sharding.inventory import build_inventory
 
 PROMPT, NEW, BATCHES = 32, 32, (1, 8)
 VARIANTS = ("shm", "shm_hf", "gloo", "hf_tp", "dense_2t", "dense_lean_2t")
@@ -50,8 +56,6 @@ def this_machine(shm_group):
     """The planner's ``Hardware`` for one rank of this machine, measured with every rank at work
     at once (they share the memory bus): copy bandwidth of 64 MiB (read + write), a 512-square
     float32 matmul's rate, and an 8 MiB all-gather over shared memory as the link."""
-    from tensorpar.planner.hardware import custom_hardware
-
     src = torch.ones(16 << 20)  # 64 MiB
     dst = torch.empty_like(src)
     a = torch.randn(512, 512)
@@ -80,9 +84,6 @@ def _best_of(fn, n: int = 5) -> float:
 
 
 def _bound(path, hw, batch: int) -> float:
-    from tensorpar.planner.inventory_plan import plan_inventory
-    from tensorpar.sharding.inventory import build_inventory
-
     inv = build_inventory(path, dist.get_world_size(), head=True)
     plan = plan_inventory(inv, hw, batch=batch, seq=PROMPT + NEW // 2, dtype="fp32", workload="inference")
     return plan.bounds["decode_per_token_s"]
@@ -90,8 +91,6 @@ def _bound(path, hw, batch: int) -> float:
 
 def _hf_tp(path):
     from transformers import AutoModelForCausalLM
-    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
-                      WORLD_SIZE=str(dist.get_world_size()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
@@ -104,8 +103,6 @@ _SETUP = {"shm": ("shm", "auto"), "shm_hf": ("shm", "hf"), "gloo": ("gloo", "aut
 
 def _runs(models: dict, ids, new: int) -> dict:
     """``{variant: (prefill, full)}``: functions generating 1 and ``new`` tokens; each returns the ids."""
-    from tensorpar.models.generation import generate
-
     def ours(model, engine, n):
         return lambda: generate(model, ids, n, engine=engine)
 
@@ -170,8 +167,6 @@ def bench_batch(models: dict, path, hw, batch: int, new: int, repeats: int, voca
 def decode_worker(path, repeats: int, batches, new: int) -> list:
     from transformers.utils import logging as hf_logging
 
-    from tensorpar.models.checkpoint import load_sharded
-
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     dist.check_collectives(False)  # timed as users run
@@ -194,8 +189,6 @@ def decode_worker(path, repeats: int, batches, new: int) -> list:
 
 def run_decode_bench(repeats: int = 11, sizes=None, batches=BATCHES, new: int = NEW) -> list[dict]:
     """Rank 0's rows, one per batch size (see the module docstring)."""
-    from tensorpar.models.testing import make_tiny_checkpoint
-
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-decode-") as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "llama", "llama", dtype=torch.float32, **(sizes or BENCH_LLAMA))
         return dist.launch(decode_worker, 2, str(path), repeats, tuple(batches), new, backend="gloo",

@@ -2,10 +2,11 @@
 
 The models (:data:`MODELS`), each written as a random safetensors checkpoint:
 
-- ``llama``: :data:`~tensorpar.models.testing.BENCH_LLAMA`, dense MLPs, GQA attention;
-- ``mixtral``: :data:`BENCH_MIXTRAL`, a mixture of experts (8 experts, top-2) in every layer;
-- ``phi3``: :data:`BENCH_PHI3`, BENCH_LLAMA's sizes with Phi-3's fused ``qkv_proj`` and
-  ``gate_up_proj``.
+- ``llama``: :data:`~tensorpar.architecture.tiny.BENCH_LLAMA`, dense MLPs, GQA attention;
+- ``mixtral``: :data:`~tensorpar.architecture.tiny.BENCH_MIXTRAL`, a mixture of experts (8
+  experts, top-2) in every layer;
+- ``phi3``: :data:`~tensorpar.architecture.tiny.BENCH_PHI3`, BENCH_LLAMA's sizes with Phi-3's
+  fused ``qkv_proj`` and ``gate_up_proj``.
 
 Variants, per model and pass, interleaved round by round (the order rotating), each timed on the
 slowest rank; each ratio is the median over rounds of the two variants' times in the same round:
@@ -36,23 +37,13 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
+from tensorpar.architecture.tiny import BENCH_LLAMA, BENCH_MIXTRAL, BENCH_PHI3
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio, wait_ready
-from tensorpar.models.testing import BENCH_LLAMA
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.models.training import causal_lm_loss
 
 BATCH, SEQ = 4, 128
-
-# ~25.5M parameters: 4 layers of GQA attention (8/4 heads of 64) and 8 experts of width 288,
-# top-2 (expert weights 17.7M; 3.5M active per token); vocabulary 8000.
-BENCH_MIXTRAL = dict(vocab_size=8000, hidden_size=512, intermediate_size=288, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_local_experts=8,
-                     num_experts_per_tok=2, max_position_embeddings=512, sliding_window=None,
-                     tie_word_embeddings=False)
-# 25.9M parameters: BENCH_LLAMA's sizes (6 layers, hidden 512, GQA 8/4 heads, ffn 1408) with fused
-# qkv_proj (512 -> 1024) and gate_up_proj (512 -> 2816).
-BENCH_PHI3 = dict(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
-                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                  sliding_window=None, tie_word_embeddings=False)
-
 
 MODELS = (("llama", BENCH_LLAMA), ("mixtral", BENCH_MIXTRAL), ("phi3", BENCH_PHI3))
 
@@ -74,10 +65,6 @@ def _dense(path):
 
 def _hf_tp(path):
     from transformers import AutoModelForCausalLM
-    # transformers reads its rank from the environment (torchrun's variables); the process group
-    # itself is the one tensorpar's launcher started.
-    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
-                      WORLD_SIZE=str(dist.get_world_size()))
     with warnings.catch_warnings():  # transformers' notice that tp_plan= moves to another argument
         warnings.simplefilter("ignore", FutureWarning)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto")
@@ -164,9 +151,6 @@ def _hf_variant(path, ids, ref):
 
 def bench_model(arch: str, path, repeats: int, batch: int, seq: int) -> list[dict]:
     """The two rows (``fwd``, ``train``) of one model's checkpoint in ``path``."""
-    from tensorpar.models.checkpoint import load_sharded
-    from tensorpar.models.training import causal_lm_loss
-
     dense = _dense(path)
     ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -213,8 +197,6 @@ def run_models_bench(repeats: int = 5, tp: int = 2, models=None, batch: int = BA
                      seq: int = SEQ) -> list[dict]:
     """Every model in ``models`` (``(arch, sizes)`` pairs; default :data:`MODELS`: llama,
     mixtral, phi3 at ~25M) in one launch of ``tp`` ranks; returns rank 0's rows, two per model."""
-    from tensorpar.models.testing import make_tiny_checkpoint
-
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-") as tmp:
         checkpoints = []
         for i, (arch, sizes) in enumerate(MODELS if models is None else models):

@@ -305,6 +305,9 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
     if environ is not None:  # the launcher's environment now, not the fork server's when it started
         os.environ.clear()
         os.environ.update(environ)
+    # as torchrun sets them: libraries read a process's place from these (Hugging Face's tp_plan)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
     os.setpgid(0, 0)  # a group of its own: the launcher stops the rank with whatever it starts

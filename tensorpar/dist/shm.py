@@ -86,6 +86,9 @@ class ShmProcessGroup(tdist.ProcessGroup):
         super().__init__(rank, size)
         self._name = ""
         self._gloo = tdist.ProcessGroupGloo(store, rank, size, timeout)
+        # PyTorch's functional collectives (DTensor, parallelize_module, Hugging Face tp_plan) ask
+        # a group for its backend by device type and call it directly: the gloo one serves them
+        self._register_backend(torch.device("cpu"), tdist.ProcessGroup.BackendType.GLOO, self._gloo)
         self.segment, self.why_not = _attach(store, rank, size, timeout)
 
     # torch names a group on its backends, and a Python process group has none: it keeps its own

@@ -1,0 +1,45 @@
+"""PyTorch's own tensor parallelism and Hugging Face's ``tp_plan`` on the groups ``dist.launch``
+makes by default (the shared-memory backend): DTensor's redistribute, functional collectives,
+``parallelize_module`` and ``from_pretrained(tp_plan="auto")`` all equal the dense computation,
+while tensorpar's own collectives still travel over shared memory. Before, the first three raised
+"No backend type associated with device type cpu" and tp_plan="auto" loaded an unsplit model (it
+reads its world from torchrun's variables)."""
+import pytest
+
+from tensorpar import dist
+from tests import _interop_workers as W
+
+pytestmark = pytest.mark.multirank
+
+# float64 throughout: the split sums partial products in another order, a few ulps of 1
+EXACT = 1e-12
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tensorpar.models.testing import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("interop") / "llama", "llama")
+    return dist.launch(W.pytorch_apis_worker, 2, str(path), deadline=300)
+
+
+def test_dtensor_and_functional_collectives_on_the_default_group(results):
+    for out in results:
+        assert out["transport"] == "shm", out
+        assert out["redistribute"] == 0.0 and out["functional_all_reduce"] == 0.0, out
+
+
+def test_parallelize_module_colwise_rowwise_mlp_equals_the_dense_one(results):
+    for out in results:
+        mlp = out["mlp"]
+        assert mlp["sharded"], mlp
+        assert max(mlp["forward"], mlp["input_grad"], mlp["weight_grads"]) <= EXACT, mlp
+
+
+def test_hugging_face_tp_plan_auto_splits_and_equals_the_dense_model(results):
+    for out in results:
+        assert out["hf_tp_plan"]["sharded"] and out["hf_tp_plan"]["logits"] <= EXACT, out["hf_tp_plan"]
+
+
+def test_tensorpars_own_collectives_still_travel_over_shared_memory(results):
+    for out in results:
+        assert out["own_over_shm"] and out["own_sum"] == [2.0] * 4, out
