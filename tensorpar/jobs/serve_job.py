@@ -1,0 +1,115 @@
+"""One request's life on rank 0: its tokens as they are drawn, turned into text, stop strings and
+events for the HTTP handler that waits on them.
+
+The engine loop calls :meth:`Job.deliver` after each step that drew the request's tokens; the
+job decides which choices have finished (a stop token, a stop string, ``max_tokens``) and puts
+events on the handler's asyncio queue from the engine's thread (``call_soon_threadsafe``):
+``("delta", choice, text, token_ids)``, ``("finish", choice, reason)``. Text is the tokenizer's
+decoding of every token so far, sent as it grows; the tail that could still become a stop string
+(or an unfinished UTF-8 character) is held back until it cannot, and a stop string ends the
+choice with the text before it (OpenAI's rule).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Choice:
+    ids: list = field(default_factory=list)
+    sent: str = ""  # text already sent
+    done: bool = False
+    last_t: float | None = None
+
+
+class Job:
+    """``prompt``: token ids; ``sampler``: a :class:`~tensorpar.models.sampling.Sampler`;
+    ``stop_ids``: tokens that end a choice (kept in its ids, not in its text); ``stop_texts``:
+    strings that end it; ``emit(event)``: how events reach the handler (any thread);
+    ``decode(ids) -> str`` or None (no tokenizer: ids only); ``metrics``: observes latencies."""
+
+    def __init__(self, prompt, *, n, sampler, max_tokens, stop_ids=(), stop_texts=(), emit, decode=None,
+                 metrics=None):
+        self.prompt, self.n, self.sampler, self.max_tokens = list(prompt), n, sampler, max_tokens
+        self.stop_ids, self.stop_texts = frozenset(stop_ids), tuple(stop_texts)
+        self.emit, self.decode, self.metrics = emit, decode, metrics
+        self.choices = [_Choice() for _ in range(n)]
+        self.cancelled = False
+        self.t_arrival = time.perf_counter()
+        self.first_token_s: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.ids) for c in self.choices)
+
+    def deliver(self, tokens: dict) -> set:
+        """Take each choice's new token; returns the choices that have finished."""
+        now = time.perf_counter()
+        finished = set()
+        for c, tok in tokens.items():
+            self._observe(self.choices[c], now)
+            reason = self._take(c, tok)
+            if reason is not None or self.cancelled:
+                self.choices[c].done = True
+                finished.add(c)
+                if not self.cancelled:
+                    self.emit(("finish", c, reason))
+        return finished
+
+    def _observe(self, choice: _Choice, now: float) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = now - self.t_arrival
+            if self.metrics is not None:
+                self.metrics.first_token(self.first_token_s)
+        elif self.metrics is not None and choice.last_t is not None:
+            self.metrics.token_gap(now - choice.last_t)
+        choice.last_t = now
+
+    def _take(self, c: int, tok: int) -> str | None:
+        """Record ``tok`` for choice ``c`` and send what it adds; the finish reason, if it ends."""
+        ch = self.choices[c]
+        ch.ids.append(tok)
+        stopped = tok in self.stop_ids
+        reason = "stop" if stopped else ("length" if len(ch.ids) >= self.max_tokens else None)
+        if self.decode is None:
+            self._send(c, "", [tok])
+            return reason
+        text = self.decode(ch.ids[:-1] if stopped else ch.ids)
+        cut = _first_stop(text, self.stop_texts, len(ch.sent))
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        final = reason is not None
+        ready = text if final else text[:len(text) - _held(text, self.stop_texts)]
+        grew = ready.startswith(ch.sent)  # a decoding that rewrote sent text: nothing more until it agrees
+        self._send(c, ready[len(ch.sent):] if grew else "", [tok])
+        ch.sent = ready if grew else ch.sent
+        return reason
+
+    def _send(self, c: int, text: str, ids: list) -> None:
+        if not self.cancelled:
+            self.emit(("delta", c, text, ids))
+
+
+def _first_stop(text: str, stops: tuple, sent: int) -> int | None:
+    """Where the first stop string starts in ``text`` (searching from where one could still
+    start: text already sent held none), or None."""
+    longest = max((len(s) for s in stops), default=0)
+    begin = max(0, sent - longest)
+    found = [i for i in (text.find(s, begin) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held(text: str, stops: tuple) -> int:
+    """Characters at the end of ``text`` not to send yet: the longest tail that begins a stop
+    string, or an unfinished UTF-8 character (decoded as U+FFFD)."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
