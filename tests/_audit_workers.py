@@ -7,7 +7,7 @@ from tensorpar import dist
 def audit_worker():
     import tensorpar
     from tensorpar.models.generation import generate
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     from tensorpar.sharding.audit import ReplicaDriftError, check_same_inputs
     torch.manual_seed(0)
     rank = dist.get_rank()
@@ -53,7 +53,7 @@ def deepcopy_worker():
     import copy
 
     import tensorpar
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     from tensorpar.models.training import clip_grad_norm_
     model = tensorpar.parallelize(make_tiny_model("llama"))
     twin = copy.deepcopy(model)
@@ -70,7 +70,7 @@ def training_audit_worker():
     rate makes the replicated norms drift, named after that step; different batches are refused
     before it."""
     import tensorpar
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     from tensorpar.models.training import train_step
     from tensorpar.sharding.audit import ReplicaDriftError
     model = tensorpar.parallelize(make_tiny_model("llama"))

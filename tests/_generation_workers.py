@@ -9,7 +9,7 @@ from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
 from tensorpar.models.lean import lean_decoder
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 
 # Prompts of three lengths; with the seeds below each tiny model's rows continue differently
 # (checked in the test: a model that repeats one token whatever happens proves nothing).

@@ -9,7 +9,7 @@ from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
 from tensorpar.models.lean import lean_decoder
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 
 PROMPTS = [[5, 9, 11, 2, 7, 3, 12], [8, 1], [4, 4, 9, 10]]  # left-padded: the mask matters
 NEW = 5

@@ -28,7 +28,7 @@ import torch
 
 # Causal-LM architectures of transformers 5.24 whose configuration builds a tiny model on CPU,
 # minus composites with vision or audio towers (git, got_ocr2, moshi, moss_transcribe_diarize,
-# phi4_multimodal) and those whose tiny model does not build at all (see tensorpar.models.testing).
+# phi4_multimodal) and those whose tiny model does not build at all (see tensorpar.models.tiny).
 ARCHS = (
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "axk2", "bailing_hybrid",
     "bamba", "bart", "beam", "bert", "bert-generation", "big_bird", "bigbird_pegasus", "biogpt",
@@ -165,7 +165,7 @@ def check(arch: str, group) -> dict:
     from transformers.utils import logging as hf_logging
 
     from tensorpar import parallelize
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     hf_logging.set_verbosity_error()
     t0 = time.time()
     dense = make_tiny_model(arch)

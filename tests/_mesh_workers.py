@@ -7,7 +7,7 @@ import torch.distributed as tdist
 
 from tensorpar import dist
 from tensorpar.apply import parallelize
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import causal_lm_loss, train_step
 
 STEPS, BATCH, SEQ = 20, 4, 8

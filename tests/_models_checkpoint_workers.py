@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tensorpar import dist
 from tensorpar.apply import parallelize
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tests._models_workers import TP3_DOES_NOT_FIT, _ids, _rel, tp_groups
 
 SENTENCES = ["The cat sits on the mat.",

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from tensorpar import dist
-from tensorpar.models.testing import make_tiny_checkpoint
+from tensorpar.models.tiny import make_tiny_checkpoint
 from tests import _models_checkpoint_workers as C, _models_workers as W
 
 TINY_CHECKPOINTS = ("llama", "gpt2")

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import train_step
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
 DECODERS = ("llama", "mistral", "qwen2", "gpt2")
 VOCAB = 130
-TP3_DOES_NOT_FIT = ("llama", "mistral")  # 4 and 8 query heads (tiny configs in models/testing.py)
+TP3_DOES_NOT_FIT = ("llama", "mistral")  # 4 and 8 query heads (tiny configs: tensorpar.architecture.registry, Arch.tiny)
 # Variants of the tiny models, run at tp 2 only: a tied Llama head; a vocabulary (131) that
 # does not divide by 2, padded to 132.
 VARIANTS = {"llama_tied": ("llama", {"tie_word_embeddings": True}),

@@ -22,19 +22,19 @@ ARCHS = ("llama", "gpt2", "bert", "mixtral", "qwen2_moe", "qwen3", "gemma3_text"
          "gpt_bigcode", "opt", "bloom", "deepseek_v3", "olmo2")
 # DeepSeek-V3: value heads (8) narrower than its query-key heads (16), as in the real model (128
 # and 192). Its tiny model has a dense layer 0 and a MoE layer 1 (routed experts, a shared expert,
-# a router with a correction bias), as the full model has both (tensorpar.models.layout).
+# a router with a correction bias), as the full model has both (tensorpar.architecture.layer_kinds).
 SIZES = {"deepseek_v3": {"v_head_dim": 8}}
 BATCH, SEQ, LONG_SEQ, NEW_TOKENS = 2, 5, 10, 3
 LINEAR_OPS = ("aten.mm", "aten.addmm")
 
 
 def tiny_config(case: str):
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     return make_tiny_config(case, **SIZES.get(case, {}))
 
 
 def tiny_model(case: str, head: bool = True):
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     return make_tiny_model(case, head=head, **SIZES.get(case, {}))
 
 

@@ -7,7 +7,7 @@ import torch.distributed as tdist
 
 from tensorpar import dist
 from tensorpar.apply import parallelize
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import train_step
 
 BATCH, SEQ = 4, 8

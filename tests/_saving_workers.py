@@ -7,7 +7,7 @@ import torch
 from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.models import saving
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import train_step
 from tests._mesh_workers import DECAY, LR, MAX_NORM, batches, reference
 

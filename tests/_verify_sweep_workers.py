@@ -43,7 +43,7 @@ def sweep_check(arch: str, group) -> dict:
     from tensorpar import dist, parallelize
     from tensorpar.jobs import verify as V
     from tensorpar.jobs.common import TOLERANCE
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     hf_logging.set_verbosity_error()
     ref = make_tiny_model(arch)  # float64: the exact reference
     vocab = ref.config.get_text_config().vocab_size

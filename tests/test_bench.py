@@ -136,7 +136,7 @@ def test_train_guard_refuses_a_variant_that_computes_another_step():
     import torch
 
     from tensorpar.bench.train import _adamw, _torch_step, guard
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
 
     dense = make_tiny_model("llama", seed=3, dtype=torch.float32)
     ids = torch.randint(0, dense.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))

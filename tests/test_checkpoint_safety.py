@@ -23,7 +23,7 @@ import torch
 
 from tensorpar.dist import dcp
 from tensorpar.models import saving
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 
 MARKER = "MARKER-ran"  # created in the crafted checkpoint's parent folder if the payload ever runs
 
@@ -424,7 +424,7 @@ CHECKPOINT_CLI_ERRORS = [([*_TRAIN, "{" + name + "}"], words) for name, (_, word
 
 
 def test_train_resume_refuses_each_crafted_checkpoint_in_one_line(good, tmp_path):
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     dirs = crafted_checkpoints(tmp_path, good)
     dirs["llama"] = str(make_tiny_checkpoint(tmp_path / "llama", "llama"))
     argvs = [[a.format(**dirs) for a in argv] for argv, _ in CHECKPOINT_CLI_ERRORS]

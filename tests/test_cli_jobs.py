@@ -18,7 +18,7 @@ def tensorpar(*args, timeout=300):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     return {"llama": make_tiny_checkpoint(root / "llama", "llama"),
@@ -102,7 +102,7 @@ def test_verify_replays_a_routers_choices_in_bfloat16(tmp_path):
     and the unsplit model (an O(1) difference for that token, nothing wrong). On this tiny Mixtral
     at tp 2 a token is routed differently without the replay (worst excess 1.6: a false
     divergence); with the float64 model's choices replayed in both, every call of them, 0.1."""
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path / "mixtral", "mixtral")
     r = tensorpar("verify", "--model", str(path), "--tp", "2", "--dtype", "bfloat16", "--json")
     assert r.returncode == 0, r.stderr

@@ -34,7 +34,7 @@ COMMON = ["--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ), "--se
 def _files(root: str) -> dict:
     """A tiny Llama of 256 ids without a tokenizer (the text is read as UTF-8 bytes), the text
     file, and the same bytes as a tokenized dataset of two .npy files of different int types."""
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(os.path.join(root, "model"), "llama", seed=3, vocab_size=256)
     text = os.path.join(root, "corpus.txt")
@@ -233,7 +233,7 @@ TRAIN_ERRORS = [
 @functools.lru_cache(maxsize=None)
 def train_fixtures(root: str) -> dict:
     """The folders TRAIN_ERRORS names, made under ``root`` (once per root)."""
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
 
     f = _files(root)
     out = {k: f[k] for k in ("model", "text", "npy")}
@@ -301,7 +301,7 @@ def _nested_model(path: str, **text) -> str:
     config.json's ``text_config``, none at its top."""
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                   patch_size=14)
@@ -325,7 +325,7 @@ def _nan_weights(model: str, root: str) -> str:
 def _previous_run(model: str, root: str) -> str:
     """An --out folder holding a checkpoint of step 3 that tensorpar train saved with seed 0."""
     from tensorpar.models import saving
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
 
     out = os.path.join(root, "previous-run")
     dense = make_tiny_model("llama", seed=3, vocab_size=256)
@@ -444,7 +444,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(files, tmp_path, capsys):
     """A checkpoint of another model (saved by tensorpar.save, not by this command, so nothing is
     compared before the launch): the rank's load refuses it and the launcher ends the job, exit 1."""
     from tensorpar.models import saving
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
 
     other = make_tiny_model("llama", seed=3, vocab_size=256)
     resume = saving.save(other, torch.optim.AdamW(other.parameters()), tmp_path / "other", step=3)

@@ -1,6 +1,7 @@
 """The dependency rules of DESIGN.md, enforced.
 
-reference/ is numpy-only and planner/ is stdlib-only; neither imports the other nor torch.
+reference/ is numpy-only, architecture/ stdlib-only and planner/ stdlib-only besides the
+architecture facts; reference imports neither, and none imports torch.
 Only dist/ calls torch.distributed. `import tensorpar` must not load torch.
 """
 import ast
@@ -36,7 +37,8 @@ def _files(sub: str):
 
 @pytest.mark.parametrize("sub, allowed", [
     ("reference", {"numpy", "tensorpar.reference"}),
-    ("planner", {"tensorpar.planner"}),
+    ("architecture", {"tensorpar.architecture"}),
+    ("planner", {"tensorpar.planner", "tensorpar.architecture"}),
 ])
 def test_standalone_packages_import_only_what_they_may(sub, allowed):
     for path in _files(sub):
@@ -118,7 +120,7 @@ def test_the_architecture_registry_is_plain_data():
     """Architecture facts live in one registry every consumer reads; it loads without torch."""
     r = _fresh("""
         import sys
-        import tensorpar.sharding.registry as registry
+        import tensorpar.architecture.registry as registry
         assert 'torch' not in sys.modules, 'the registry loaded torch'
         assert registry.ARCHS['gpt2'].plan and 'phi3' in registry.ARCHS
     """)

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tensorpar.models.checkpoint import load_sharded
-from tensorpar.models.testing import make_tiny_checkpoint
+from tensorpar.models.tiny import make_tiny_checkpoint
 from tests import _models_launch, _models_workers as W
 
 TINY = _models_launch.TINY_CHECKPOINTS

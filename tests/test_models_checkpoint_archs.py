@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tensorpar import dist
-from tensorpar.models.testing import make_tiny_checkpoint
+from tensorpar.models.tiny import make_tiny_checkpoint
 from tests import _checkpoint_archs_workers as W
 
 pytestmark = pytest.mark.multirank

@@ -21,7 +21,7 @@ from transformers.core_model_loading import (Chunk, Concatenate, MergeModulelist
 
 from tensorpar.models import conversion as C
 from tensorpar.models.checkpoint import _tensor_index, load_sharded
-from tensorpar.models.testing import make_tiny_checkpoint
+from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.sharding.spec import ShardSpec, segment_pieces
 
 E = 12  # experts: "10" and "11" sort before "2" as strings, after "9" naturally
@@ -153,7 +153,7 @@ def mixtral(tmp_path_factory):
 
 def _meta(path):
     from transformers import AutoConfig
-    from tensorpar.sharding.sizes import meta_model
+    from tensorpar.sharding.model_classes import meta_model
     return meta_model(AutoConfig.from_pretrained(path))
 
 

@@ -216,7 +216,7 @@ def test_generate_refuses_what_it_cannot_run_before_any_step():
     plus max_new_tokens past the model's positions (GPT-2's table: an IndexError inside the
     forward; Llama's declared maximum): ValueError naming the values. At GPT-2's limit it runs."""
     from tensorpar.models.generation import generate
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     for arch in ("gpt2", "llama"):
         model = make_tiny_model(arch, seed=1)  # 64 positions
         for args, message in (
@@ -252,7 +252,7 @@ RUN_ID_ERRORS = [
 def test_mistyped_ids_are_one_line_with_exit_code_2(tmp_path):
     """Each case of RUN_ID_ERRORS through the command line's entry (tests._cli_batch, in this
     process): exit 2, one line on stderr with its words, nothing on stdout. `1,,2` was read as `1,2`."""
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     from tests._cli_batch import run_all
     llama = make_tiny_checkpoint(tmp_path / "llama", "llama")
     runs = run_all([[a.format(llama=llama) for a in args] for args, _ in RUN_ID_ERRORS])

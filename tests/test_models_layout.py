@@ -1,4 +1,4 @@
-"""``tensorpar.models.layout``: a small model holds every kind of layer its full-size config has.
+"""``tensorpar.architecture.layer_kinds``: a small model holds every kind of layer its full-size config has.
 
 What each test catches: a tiny config shrunk by the config's own rule (a 2-layer Gemma-3 is all
 sliding-window, a 2-layer DeepSeek-V3 all dense), which would let the architecture matrix and the
@@ -6,8 +6,9 @@ proof's replica pass without ever splitting a full-attention or an expert layer.
 """
 import pytest
 
-from tensorpar.models.layout import layer_layout
-from tensorpar.models.testing import config_class, make_tiny_config, model_class
+from tensorpar.architecture.layer_kinds import layer_layout
+from tensorpar.models.tiny import make_tiny_config
+from tensorpar.sharding.model_classes import config_class, model_class
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -64,7 +65,7 @@ def test_tiny_deepseek_v3_has_a_dense_and_an_expert_layer():
 def test_replica_takes_the_layout_of_the_real_config():
     """The proof's replica of a model on the meta device (``certify.tiny_like``) follows the real
     config's layout, not the class defaults."""
-    from tensorpar.sharding.certify import tiny_like
+    from tensorpar.sharding.replica import tiny_like
     real = config_class("gemma3_text")(num_hidden_layers=12, layer_types=["full_attention"] * 12)
     assert tiny_like(real, 2).layer_types == ["full_attention", "full_attention"]
     real = config_class("deepseek_v3")(num_hidden_layers=61, first_k_dense_replace=1)

@@ -10,7 +10,7 @@ import torch
 from tensorpar import dist
 from tensorpar.models.generation import generate
 from tensorpar.models.lean import FAMILIES, lean_decoder
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tests import _lean_workers as W
 
 # float64 on both sides: the lean forward runs the same operations in the same dtype (here it

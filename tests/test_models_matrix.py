@@ -9,7 +9,7 @@ partial sums: ~1e-15; a missing reduction, a partial gradient or heads paired wr
 float32 1e-5 where it computes part of the forward in float32 (MoE routers' softmax: float32
 rounding, 6e-8, summed in another order). Architectures reported as split hold at most
 ``1/tp + 0.1`` of the decoder-layer parameters on each rank. Each tiny model holds every kind of
-layer its full-size configuration has (``tensorpar.models.layout``: sliding and full attention,
+layer its full-size configuration has (``tensorpar.architecture.layer_kinds``: sliding and full attention,
 linear attention, dense and expert MLPs), so no kind goes untested. The split built without the
 proof (what the planner predicts from) equals the proved one.
 

@@ -83,7 +83,7 @@ def test_bad_mesh_arguments_are_refused_before_anything_runs(kwargs, message):
     import re
 
     from tensorpar.apply import parallelize
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     with pytest.raises(ValueError, match=re.escape(message)):
         parallelize(make_tiny_model("llama"), **kwargs)
 

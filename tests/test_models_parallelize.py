@@ -1,7 +1,7 @@
 """parallelize on real gloo ranks: every family at tp 1, 2, 3 (where the heads allow) and 4.
 
 One launch of 4 ranks (tests/_models_launch.py, shared with the training and checkpoint
-tests) runs every case; sub-groups give tp 1, 2 and 3. Models are tiny float64 Hugging Face models from one seed (models/testing.py):
+tests) runs every case; sub-groups give tp 1, 2 and 3. Models are tiny float64 Hugging Face models from one seed (tensorpar.models.tiny):
 vocabulary 130 (padded at tp 3 and 4), llama/mistral GQA, qwen2 MQA (KV replication).
 
 Tolerance 1e-12 relative (float64): the sharded model adds the same products in a different
@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tensorpar.models.testing import make_tiny_config
+from tensorpar.models.tiny import make_tiny_config
 from tests import _models_launch, _models_workers as W
 
 pytestmark = pytest.mark.multirank

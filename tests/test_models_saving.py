@@ -10,7 +10,7 @@ import torch
 
 from tensorpar import dist
 from tensorpar.models import saving
-from tensorpar.models.testing import make_tiny_model
+from tensorpar.models.tiny import make_tiny_model
 from tests import _saving_workers as W
 
 # float64, the same bound as the mesh training tests (tests/test_models_mesh.py): a resumed run

@@ -46,7 +46,7 @@ def test_each_block_gathers_and_reduce_scatters_as_the_planner_counts():
     all-reduce of activations inside a block."""
     from collections import Counter
 
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     from tensorpar.planner.comm import tp_layer_collectives
     from tensorpar.planner.hfconfig import from_hf_dict
     from tensorpar.planner.layout import Layout
@@ -121,7 +121,7 @@ def test_hidden_states_between_chunked_blocks_are_refused():
 
 def test_example_inputs_reach_tp_tokens_when_the_default_is_shorter():
     """At tp 16 the proof's 12 default tokens are repeated up to 16 (the model takes 64)."""
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     from tensorpar.sharding import sequence
     model = make_tiny_model("llama")
     assert sequence.example(model, None, 16)["input_ids"].shape == (2, 16)
@@ -139,7 +139,7 @@ def test_a_wrong_sequence_parallel_split_is_caught_by_the_proof_and_undone():
 
 def test_sequence_parallel_must_be_a_bool():
     from tensorpar.apply import parallelize
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     with pytest.raises(ValueError, match="sequence_parallel must be True or False, got 'yes'"):
         parallelize(make_tiny_model("llama"), sequence_parallel="yes")
 

@@ -9,7 +9,7 @@ import torch
 
 import tensorpar.nn as tn
 from tensorpar import dist
-from tensorpar.nn.partition import divide, padded_range
+from tensorpar.architecture.tp_rules import divide, padded_range
 
 pytestmark = pytest.mark.multirank
 F64 = torch.float64

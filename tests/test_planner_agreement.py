@@ -1,7 +1,7 @@
 """The planner's prediction equals what tensorpar's runtime does (issue 5, item 4).
 
 On real gloo ranks (one launch at tp 2, one at tp 4; each loops over the families and
-workloads inside the worker), every tiny float64 Hugging Face model of tensorpar.models.testing
+workloads inside the worker), every tiny float64 Hugging Face model of tensorpar.models.tiny
 (vocabulary 130: padded to 132 at tp 4; llama GQA 4/2 heads and qwen2 MQA 12/1 replicate KV
 heads at tp 4 and 2) runs each workload under ``tensorpar.dist.ledger``. For each rank, the
 records must equal ``tensorpar.planner.predict_collectives`` for the same ``config.to_dict()``:
@@ -43,7 +43,7 @@ def _param_bytes(model) -> int:
 def _run_family(family: str, ids: torch.Tensor, group) -> dict:
     from tensorpar.apply import parallelize
     from tensorpar.models.generation import generate
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     from tensorpar.models.training import causal_lm_loss
 
     out = {}
@@ -125,7 +125,7 @@ def _bytes(counter: Counter) -> int:
 
 
 def _config(family: str) -> dict:
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     return make_tiny_config(family).to_dict()
 
 
@@ -227,7 +227,7 @@ def test_broadcast_bytes_per_rank_by_algorithm():
 
 
 def test_tp_one_predicts_nothing_and_the_dense_parameter_count():
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     for family in FAMILIES:
         for workload in ("forward", "logits"):
             pred = predict_collectives(_config(family), 1, BATCH, SEQ, E, workload)

@@ -128,7 +128,7 @@ PLAN_ERRORS = [
 
 def plan_fixtures(root) -> dict:
     """The config.json files PLAN_ERRORS names, written under ``root``."""
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
 
     text = make_tiny_config("gemma3_text").to_dict()
     nested = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,

@@ -61,7 +61,7 @@ FAMILY_CASES = [(f, tp, w, e) for f in ("llama", "mistral", "qwen2", "gpt2", "be
 
 @functools.lru_cache(maxsize=None)
 def _inventory(family, tp, head):
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     return build_inventory(make_tiny_config(family), tp, head=head)
 
 
@@ -76,7 +76,7 @@ def _flat(pred) -> Counter:
 def test_the_five_families_predict_as_the_formulas(family, tp, workload, e):
     """The same collectives (op, phase, payload, bytes per rank, count; ``where`` names differ: the
     formulas' parts, the inventory's modules), totals, per-layer totals and parameters."""
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     cfg = make_tiny_config(family)
     old = predict_collectives(cfg.to_dict(), tp, B, S, e, workload, new_tokens=3)
     new = predict_from_inventory(_inventory(family, tp, workload != "forward"), B, S, e, workload, new_tokens=3)
@@ -91,7 +91,7 @@ def test_the_five_families_predict_as_the_formulas(family, tp, workload, e):
 def test_sampling_candidates_predict_as_the_formulas(family, tp):
     """top_k sampling: each rank offers its k best (value, index) pairs per row and step, at most
     its vocabulary shard ceil(V / tp) (130 tokens: 65 at tp 2, 33 at tp 4, padding included)."""
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     cfg = make_tiny_config(family)
     for k in (1, 5, 1000):
         old = predict_collectives(cfg.to_dict(), tp, B, S, 4, "generate", new_tokens=3, candidates=k)
@@ -147,7 +147,7 @@ def test_planning_group_answers_and_refuses_collectives():
                  r"want to use `ReformerModelWithLMHead` make sure that `is_decoder=True`"),
 ])
 def test_models_tensorpar_cannot_split_are_refused_with_the_reason(arch, message):
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     config = {"model_type": arch} if arch == "no_such_model" else make_tiny_config(arch)
     with pytest.raises(ValueError, match=message):
         build_inventory(config, 3)
@@ -199,7 +199,7 @@ def test_cli_plans_a_checkpoint_directory_of_any_architecture(capsys, tmp_path):
     ("falcon", ["--tp", "2", "--pp", "2"], "--pp: planned by the formula path only"),
 ])
 def test_cli_refusals_are_one_line(capsys, tmp_path, arch, argv, needle):
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     make_tiny_config(arch).save_pretrained(tmp_path)
     rc, out, err = _cli(capsys, "--model", str(tmp_path), *argv)
     assert rc == 2 and out == "" and needle in err and err.count("\n") == 1

@@ -27,7 +27,7 @@ def results() -> list:
 
 @functools.lru_cache(maxsize=None)
 def inventory(tp: int, arch: str = "llama"):
-    from tensorpar.models.testing import make_tiny_config
+    from tensorpar.models.tiny import make_tiny_config
     from tensorpar.sharding.inventory import build_inventory
     return build_inventory(make_tiny_config(arch), tp)
 
@@ -93,7 +93,7 @@ def test_plan_command_plans_a_training_step_on_the_mesh(tmp_path, capsys):
     import json
 
     from tensorpar.cli import main
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     make_tiny_checkpoint(tmp_path, "llama", seed=1)
     args = ["plan", "--model", str(tmp_path), "--inventory", "--tp", "2", "--micro-batch", "2", "--seq", "8",
             "--dtype", "fp64", "--json"]

@@ -11,10 +11,12 @@ from torch import nn
 
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
-from tensorpar.models.testing import make_tiny_config, make_tiny_model
-from tensorpar.sharding import discover, registry
-from tensorpar.sharding.feasibility import check_feasibility
-from tensorpar.sharding.plan import Dims, compile_plan, match_style
+from tensorpar.models.tiny import make_tiny_config, make_tiny_model
+from tensorpar.architecture import registry
+from tensorpar.architecture.plans import compile_plan, match_style
+from tensorpar.architecture.tp_rules import Dims
+from tensorpar.sharding import discover
+from tensorpar.sharding.check import check_feasibility
 from tensorpar.sharding.spec import ShardSpec
 from tensorpar.sharding.styles import STYLE_NAMES
 from tensorpar.models.training import clip_grad_norm_
@@ -204,7 +206,8 @@ def test_registry_plans_pass_their_own_checks():
 
 
 def _matches(model, pattern) -> bool:
-    from tensorpar.sharding.plan import base_prefix, relative_names
+    from tensorpar.architecture.plans import relative_names
+    from tensorpar.sharding.plan import base_prefix
     rx = compile_plan({pattern: "replicate"}, STYLE_NAMES)
     return any(match_style(rx, relative_names(n, base_prefix(model))) for n, _ in model.named_modules())
 
@@ -312,13 +315,14 @@ def test_every_declared_style_is_translated_or_named_as_untranslated():
 
 def test_registry_entries_name_modules_their_models_have():
     """A registry plan or override whose patterns match nothing in its own model is stale."""
-    from tensorpar.sharding.resolve import choose, expand, _declared_styles
+    from tensorpar.sharding.declare import choose, translate
+    from tensorpar.sharding.resolve import expand
     for name in ("gpt2", "bert", "bloom", "falcon", "mpt", "gpt_bigcode", "opt", "phi3", "gpt_oss", "olmo2",
                  "lfm2", "bitnet", "persimmon", "stablelm", "biogpt", "bart"):
         model = make_tiny_model(name)
         source, entries, overrides, segments = choose(model, "auto")
         if source == "declared":
-            entries, _ = _declared_styles(model, entries, overrides)
+            entries, _ = translate(model, entries, overrides)
         placements, unused = expand(model, entries, segments, source=source)
         own = registry.ARCHS[name]
         mine = set(own.overrides) | (set(own.plan) if isinstance(own.plan, dict) else set())
@@ -335,8 +339,10 @@ def _matches_nothing_expected(name, pattern) -> bool:
 
 
 def _styles(arch, tp=2, **sizes):
+    from tensorpar.sharding.declare import declare
     from tensorpar.sharding.resolve import resolve
-    return resolve(make_tiny_model(arch, **sizes), "auto", tp).styles()
+    model = make_tiny_model(arch, **sizes)
+    return resolve(model, declare(model, "auto"), tp).styles()
 
 
 def test_resolution_of_fused_projections_and_mixtures_of_experts():
@@ -391,13 +397,15 @@ def test_an_embedding_subclass_keeps_its_own_forward():
 def test_undo_restores_every_change_in_place():
     """A failed proof reverts the commit: the model's children keep their order, attributes
     their values, and no hook or substitution is left (checked on a commit reverted at once)."""
-    from tensorpar.sharding import apply as A, commit as Cm, resolve as R
+    from tensorpar.sharding.commit import commit
+    from tensorpar.sharding.declare import declare
+    from tensorpar.sharding.place import place
+    from tensorpar.sharding.resolve import resolve
     model = make_tiny_model("qwen3")
     before = [(n, type(m).__name__) for n, m in model.named_modules()]
     snap = W._snapshot(model)
-    res = R.resolve(model, "auto", 1)
-    built = A._build(model, res, None, 1, 0)
-    undo = Cm.commit(model, res, built, None, 1)
+    res = resolve(model, declare(model, "auto"), 1)
+    undo = commit(model, res, place(model, res, None), None)
     assert any(type(m).__name__ == "ColumnParallelLinear" for m in model.modules())
     undo.revert()
     assert [(n, type(m).__name__) for n, m in model.named_modules()] == before

@@ -64,7 +64,7 @@ VALID_INPUTS = [
 # ---- fixtures: each group's folders, made once by the parent -------------------------------------
 
 def _jobs_fixtures(root: Path) -> dict:
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     from tests.test_cli_jobs import _broken_checkpoints
     from tests.test_models_checkpoint import _as_hub_cache
 
@@ -93,7 +93,7 @@ def _plan_fixtures(root: Path) -> dict:
 
 
 def _security_fixtures(root: Path) -> dict:
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     from tests.test_checkpoint_safety import crafted_checkpoints
 
     dirs = crafted_checkpoints(root)
@@ -119,7 +119,7 @@ def _api(call, expect, words) -> tuple[str, str]:
 
 
 def _tiny(seed=1):
-    from tensorpar.models.testing import make_tiny_model
+    from tensorpar.models.tiny import make_tiny_model
     return make_tiny_model("llama", seed=seed)
 
 
@@ -213,7 +213,7 @@ def save_does_not_delete_what_latest_names():
 def train_into_an_out_of_another_run():
     """A second run with another --seed into an --out that holds the first run's checkpoints."""
     from faults import judge_cli
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     from tests._cli_batch import run_all
 
     with tempfile.TemporaryDirectory() as d:
@@ -229,7 +229,7 @@ def train_into_an_out_of_another_run():
 def train_nonfinite_loss():
     """--lr 1e30: the loss turns NaN within a few steps; the run stops there, exit 1, one line."""
     from faults import judge_cli
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     from tests._cli_batch import run_all
 
     with tempfile.TemporaryDirectory() as d:
@@ -241,7 +241,7 @@ def train_nonfinite_loss():
 
 def train_rank_stopped():
     """A rank SIGSTOPped while `tensorpar train` runs: the job ends, naming it, within 30 s."""
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         model = str(make_tiny_checkpoint(Path(d) / "llama", "llama"))

@@ -32,6 +32,7 @@ and optimizer state). Each load is checked once on a wiped model: it must restor
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import tempfile
@@ -42,8 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar import dist
+from tensorpar.apply import parallelize
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio
-from tensorpar.models.testing import BENCH_LLAMA
+from tensorpar.dist import baselines
+from tensorpar.dist.mesh import init_mesh
+from tensorpar.models import saving
+from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.models.training import train_step
+from tensorpar.architecture.tiny import BENCH_LLAMA
 
 BATCH, SEQ = 4, 128  # the global batch, 512 tokens: a step takes ~1-1.5 s on this machine's 2 cores
 MAX_NORM, LR, TOL = 1.0, 3e-4, 1e-5
@@ -78,8 +85,6 @@ QUICK = dict(sizes=dict(BENCH_LLAMA, hidden_size=128, intermediate_size=256, num
 def _torch_step(model, opt, ids, loss_context, exact_norm: bool = False):
     """PyTorch's own step: the full logits' cross-entropy (inside ``loss_context``), clipping, AdamW.
     ``exact_norm``: also return the gradients' norm summed in float64 (the guard's reference)."""
-    from tensorpar.dist.baselines import clip_grad_norm_, full_value
-
     def step():
         opt.zero_grad(set_to_none=True)
         with loss_context():
@@ -87,9 +92,9 @@ def _torch_step(model, opt, ids, loss_context, exact_norm: bool = False):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
         exact = _norm_f64(model) if exact_norm else None
-        norm = clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = baselines.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
-        return {"loss": float(full_value(loss.detach())), "grad_norm": float(norm), "grad_norm_f64": exact}
+        return {"loss": float(baselines.full_value(loss.detach())), "grad_norm": float(norm), "grad_norm_f64": exact}
     return step
 
 
@@ -100,7 +105,6 @@ def _norm_f64(model) -> float:
 
 
 def _tensorpar_step(model, opt, ids):
-    from tensorpar.models.training import train_step
     return lambda: train_step(model, opt, ids, max_norm=MAX_NORM)
 
 
@@ -116,12 +120,6 @@ def _adamw(model):
 
 def build(dense, ids) -> dict:
     """``{variant: (model, optimizer, step)}``, each from a copy of ``dense`` (``dense_2t``: itself)."""
-    import contextlib
-
-    from tensorpar.apply import parallelize
-    from tensorpar.dist import baselines
-    from tensorpar.dist.mesh import init_mesh
-
     out = {}
     for kind in ("ddp", "fsdp"):
         model = parallelize(copy.deepcopy(dense), mesh=init_mesh(2, 1), data_parallel=kind).train()
@@ -155,8 +153,6 @@ def guard(variants: dict, ids) -> dict:
     {"loss", "loss_rel_err", "grad_norm_rel_err", "step2_loss_rel_err"}}``. The losses must agree
     within ``TOL``, the gradient norm (against the dense gradients' float64 norm) within
     ``NORM_TOL``; ``RuntimeError`` naming every variant and figure that does not."""
-    import contextlib
-
     want = None
     if dist.get_rank() == 0:
         model, opt, _ = variants["dense_2t"]
@@ -205,11 +201,9 @@ def time_steps(variants: dict, repeats: int, tokens: int) -> list[dict]:
 
 def _transports(model) -> list:
     """How the groups the variant's collectives run in move bytes (``"shm"``, ``"gloo"``)."""
-    from tensorpar.dist.baselines import mesh_groups
-
     report = getattr(model, "tp_report", None)
     if report is None:
-        groups = mesh_groups(model)
+        groups = baselines.mesh_groups(model)
     else:  # a tp_group of None is the world
         groups = [g for g, size in ((report.dp_group, report.dp_size), (report.tp_group, report.tp_size)) if size > 1]
     return sorted({dist.transport(g) for g in groups})
@@ -217,10 +211,8 @@ def _transports(model) -> list:
 
 def _held(model, opt) -> list:
     """This rank's pieces of every parameter and optimizer state (views of their storage)."""
-    from tensorpar.dist.baselines import local
-
     states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return [local(t) for t in (*model.parameters(), *states)]
+    return [baselines.local(t) for t in (*model.parameters(), *states)]
 
 
 def _written(folder: Path) -> int:
@@ -236,25 +228,19 @@ class _Checkpointer:
         self.saves, self.folder = 0, None
 
     def save(self):
-        from tensorpar.dist.baselines import dcp_save
-        from tensorpar.models.saving import save
-
         self.saves += 1
         target = self.root / f"{self.name}-{self.saves}"
         if self.impl == "tensorpar":
-            self.folder = save(self.model, self.opt, target, step=2)
+            self.folder = saving.save(self.model, self.opt, target, step=2)
         else:
-            dcp_save(self.model, self.opt, target)
+            baselines.dcp_save(self.model, self.opt, target)
             self.folder = target
 
     def load(self):
-        from tensorpar.dist.baselines import dcp_load
-        from tensorpar.models.saving import load
-
         if self.impl == "tensorpar":
-            load(self.model, self.opt, self.folder)
+            saving.load(self.model, self.opt, self.folder)
         else:
-            dcp_load(self.model, self.opt, self.folder)
+            baselines.dcp_load(self.model, self.opt, self.folder)
 
     @torch.no_grad()
     def check_load(self) -> bool:
@@ -324,8 +310,6 @@ def train_worker(path: str, ckpt_root: str, repeats: int, batch: int, seq: int, 
 def run_train_bench(repeats: int = 11, sizes=None, batch: int = BATCH, seq: int = SEQ,
                     saves: int = SAVES) -> list[dict]:
     """Rank 0's rows: one per variant (``kind="step"``), one per checkpointer (``kind="checkpoint"``)."""
-    from tensorpar.models.testing import make_tiny_checkpoint
-
     if batch % 2:
         raise ValueError(f"batch ({batch}) must be even: the dp variants split it over 2 ranks")
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-train-") as tmp:

@@ -23,7 +23,7 @@ with its unsplit copy (`tests/test_models_matrix.py`): the logits, every paramet
 logits of every greedy decoding step, within 1e-10 relative where the model computes in float64
 throughout and 1e-5 where part of it runs in float32 (routers' softmax). Each tiny model holds
 every kind of layer its full-size configuration has (sliding and full attention, linear
-attention, dense and expert MLPs; `tensorpar.models.layout`).
+attention, dense and expert MLPs; `tensorpar.architecture.layer_kinds`).
 
 - **exact, split**: every rank holds at most `1/tp + 0.1` of the decoder layers' parameters.
 - **exact, partly whole**: the result is exact, and what stays whole (on every rank) is named

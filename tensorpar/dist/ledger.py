@@ -12,9 +12,9 @@ rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.
                                            (gloo/broadcast.cc): N per child, ceil(log2 p) at src
 
 where N is the full tensor's bytes: the all-reduced tensor, the all-gather's result, the
-reduce-scatter's input. These are the formula applied to the recorded calls, the same formula the
-planner predicts with: "ledger equals planner" checks the calls and their sizes. What the sockets
-really carried is a separate measure: ``ledger(wire=True)`` also records, for each synchronous
+reduce-scatter's input. These are the formula (:func:`tensorpar.architecture.ring.ring_bytes_sent`)
+applied to the recorded calls, the same formula the planner predicts with: "ledger equals
+planner" checks the calls and their sizes. What the sockets really carried is a separate measure: ``ledger(wire=True)`` also records, for each synchronous
 collective on gloo, the bytes this process's TCP sockets sent and received during the call
 (:mod:`tensorpar.dist.wire`, from the kernel's counters), in ``wire_bytes_sent`` /
 ``wire_bytes_received`` (``None`` where not measured: NCCL, asynchronous calls).
@@ -34,38 +34,11 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch.nn.modules import module as nn_module
 
+from tensorpar.architecture.ring import ring_bytes_sent
+
 # The open ledger of this execution context. A ContextVar rather than a module global: it is
 # scoped by the `with` block that sets it, and threads or tasks never see each other's.
 _ACTIVE: contextvars.ContextVar["Ledger | None"] = contextvars.ContextVar("tensorpar_ledger", default=None)
-
-
-def ring_bytes_sent(op: str, payload_bytes: int, group_size: int, *, rank: int = 0, src: int = 0,
-                    broadcast_algorithm: str = "chain") -> int:
-    """Bytes group rank ``rank`` sends for ``op`` on ``payload_bytes`` over ``group_size`` ranks.
-
-    ``src`` and ``broadcast_algorithm`` (``"chain"``: NCCL; ``"tree"``: gloo's binomial tree;
-    ``"shared"``: shared memory, the source writes the tensor once and every peer reads it) matter
-    for broadcast only.
-    """
-    p = group_size
-    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-               "broadcast": _broadcast_sends(p, (rank - src) % p, broadcast_algorithm)}
-    if op not in factors:
-        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(factors)}")
-    sent = factors[op] * payload_bytes
-    return int(sent) if float(sent).is_integer() else sent
-
-
-def _broadcast_sends(p: int, v: int, algorithm: str) -> int:
-    """How many times the rank at distance ``v`` from the source sends the whole tensor."""
-    if algorithm == "chain":
-        return 0 if p == 1 or v == p - 1 else 1
-    if algorithm == "shared":
-        return 1 if v == 0 and p > 1 else 0
-    if algorithm == "tree":
-        # binomial tree: the rank at v sends to v + 2^k for every k >= bit_length(v) within the group
-        return sum(1 for k in range(v.bit_length(), max(p - 1, 1).bit_length()) if v + (1 << k) < p)
-    raise ValueError(f"broadcast_algorithm {algorithm!r}; valid: chain, tree, shared")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ from pathlib import Path
 
 import torch
 
+from tensorpar.architecture import configs
+from tensorpar.models.checkpoint import check_checkpoint
+from tensorpar.sharding.check import check_feasibility
+from tensorpar.sharding.model_classes import eager_experts
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64, "fp64": torch.float64,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -38,7 +43,6 @@ def open_checkpoint(path) -> Checkpoint:
     and holds every tensor its model needs, with its shape (headers and index only, no weights
     read: :func:`~tensorpar.models.checkpoint.check_checkpoint`), before any rank starts."""
     from huggingface_hub.errors import StrictDataclassError
-    from tensorpar.models.checkpoint import check_checkpoint
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if str(path) == "":  # Path("") is the working directory
@@ -84,8 +88,6 @@ def dense_model(path, dtype: torch.dtype):
     import transformers
     from transformers import AutoConfig
 
-    from tensorpar.sharding.resolve import eager_experts
-
     config = AutoConfig.from_pretrained(path)
     cls = getattr(transformers, (config.architectures or ["AutoModel"])[0])
     model = cls.from_pretrained(path, dtype=dtype).eval()
@@ -95,8 +97,6 @@ def dense_model(path, dtype: torch.dtype):
 def check_tp(ckpt: Checkpoint, tp: int) -> list[str]:
     """Raise ValueError naming the valid tp sizes unless ``tp`` fits; return the fixes it needs."""
     from transformers import AutoConfig
-
-    from tensorpar.sharding.feasibility import check_feasibility
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be a positive integer, got {tp!r}")
@@ -120,13 +120,7 @@ def max_positions(ckpt: Checkpoint) -> int | None:
     """The longest sequence the model's position table or rotary setting allows (None: no limit
     known), from config.json or, in a multimodal model's, from its language model's config
     (``text_config``, ``llm_config``, ...)."""
-    from tensorpar.planner.hfconfig import text_configs
-
-    for c in text_configs(ckpt.config):
-        limit = c.get("max_position_embeddings") or c.get("n_positions") or c.get("n_ctx")
-        if limit:
-            return limit
-    return None
+    return next((n for c in configs.text_configs(ckpt.config) if (n := configs.max_positions(c))), None)
 
 
 def vocab_size(ckpt: Checkpoint) -> int:

@@ -3,7 +3,10 @@
 launch waits for the ranks, or, under torchrun, where rank 0 is this process, a direct call."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
+
+from tensorpar.dist.rendezvous import under_torchrun
 
 
 class Sink:
@@ -24,14 +27,10 @@ class Relay:
     the launch waits for the ranks; under torchrun rank 0 is this process and calls it directly."""
 
     def __init__(self, callback):
-        from tensorpar.dist.rendezvous import under_torchrun
-
         self.callback, self._thread = callback, None
         if callback is None or under_torchrun():
             self.sink = Sink(callback=callback)
             return
-        import multiprocessing as mp
-
         self._recv, send = mp.get_context("spawn").Pipe(duplex=False)
         self.sink, self._stop = Sink(conn=send), threading.Event()
         self._thread = threading.Thread(target=self._pump, name="tensorpar-train-progress", daemon=True)

@@ -20,6 +20,10 @@ from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, dense_model, is_
                                    open_checkpoint, parse_dtype, quiet_transformers)
 from tensorpar.jobs.run_generation import (NOT_PREDICTED, SAMPLING, generate_rows, generation_result, generation_task,
                                            has_tokenizer, options_given)
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.minilm import minilm_path, sentence_embeddings
+from tensorpar.models.sampling import Sampler
+from tensorpar.sharding.inventory import predict_collectives
 
 DEFAULT_SENTENCES = (
     "A man is playing a guitar.",
@@ -80,8 +84,6 @@ def run(model_dir=None, *, tp: int = 2, dtype: str = "float32", backend: str = "
     :func:`tensorpar.models.generation.generate`'s options under its names, checked here before
     any rank starts (``ValueError`` naming the value). ``phase(text)``: a context manager around
     each phase (the CLI shows them with their time)."""
-    from tensorpar.models.minilm import minilm_path
-
     with phase("checking the checkpoint (headers, sizes, tp)"):
         ckpt = open_checkpoint(model_dir if model_dir is not None else minilm_path())
         name = "all-MiniLM-L6-v2" if model_dir is None else ckpt.path.name
@@ -121,8 +123,6 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options) -> dict:
 # ---- on every rank ---------------------------------------------------------------------------
 
 def run_worker(spec: dict) -> dict:
-    from tensorpar.models.checkpoint import load_sharded
-
     quiet_transformers()
     dtype = DTYPES[spec["dtype"]]
     model, load = load_sharded(spec["path"], dtype=dtype)
@@ -143,8 +143,6 @@ def run_worker(spec: dict) -> dict:
 @torch.no_grad()
 def _encode(model, spec) -> dict:
     from transformers import AutoTokenizer
-
-    from tensorpar.models.minilm import sentence_embeddings
 
     tok = AutoTokenizer.from_pretrained(spec["path"])
     # base_model: the encoder itself, also when the checkpoint carries a head (BertForMaskedLM)
@@ -204,7 +202,6 @@ def _generation_ledger(ckpt, tp, dtype, backend, task, per_rank, batch, seq) -> 
     steps = len(per_rank[0]["split"]["tokens"][0])
     out = {"ledger_bytes_per_rank": [r["split"]["generation_bytes_sent"] for r in per_rank],
            "wire_bytes_per_rank": [r["split"]["generation_wire_bytes_sent"] for r in per_rank], "steps": steps}
-    from tensorpar.models.sampling import Sampler
 
     candidates = Sampler(**{k: task["options"][k] for k in SAMPLING}).candidates
     if candidates is None and tp > 1:
@@ -238,8 +235,6 @@ def _result(task, rank0, path) -> dict:
 def _predict(ckpt, tp, dtype, batch, seq, workload, backend, new_tokens=1, candidates=1):
     """The planner's prediction of every collective each rank issues in this run, from the
     inventory of the checkpoint's architecture (its plan resolved on the meta device)."""
-    from tensorpar.sharding.inventory import predict_collectives
-
     elem = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     return predict_collectives(ckpt.path, tp, batch, seq, elem, workload, new_tokens=new_tokens,
                                candidates=candidates, backend=backend)

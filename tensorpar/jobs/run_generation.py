@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
+from tensorpar.architecture.registry import LEAN_TYPES
 from tensorpar.data.tokens import has_tokenizer
 from tensorpar.jobs.common import check_length, vocab_size
+from tensorpar.models.generation import ENGINES, _stop_ids, generate, prompts
+from tensorpar.models.sampling import Sampler
 
 DEFAULT_PROMPT = "Tensor parallelism splits a model across"
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p", "seed")
@@ -31,10 +34,6 @@ NOT_PREDICTED = ("top-p sampling without top_k gathers every logit at each step 
 def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict) -> dict:
     """The spec of a generation run: ``ValueError`` naming the value and its valid range for
     anything a rank would refuse. ``options``: ``generate``'s keyword arguments (see the module)."""
-    from tensorpar.models.generation import ENGINES, _stop_ids
-    from tensorpar.models.lean import FAMILIES
-    from tensorpar.models.sampling import Sampler
-
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be a positive integer, got {max_new_tokens!r}")
     vocab = vocab_size(ckpt)
@@ -47,8 +46,8 @@ def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict
     engine = options.get("engine", "auto")
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "lean" and ckpt.config.get("model_type") not in FAMILIES:
-        raise ValueError(f"--engine lean runs {', '.join(FAMILIES)} models; {ckpt.path.name} is a "
+    if engine == "lean" and ckpt.config.get("model_type") not in LEAN_TYPES:
+        raise ValueError(f"--engine lean runs {', '.join(LEAN_TYPES)} models; {ckpt.path.name} is a "
                          f"{ckpt.config.get('model_type')!r} model (--engine auto uses its own forward)")
     rows = prompt_rows(ckpt, prompt, prompt_ids)
     check_length(ckpt, max(map(len, rows)) + max_new_tokens, "the longest prompt plus --max-new-tokens")
@@ -58,7 +57,6 @@ def generation_task(ckpt, prompt, prompt_ids, max_new_tokens: int, options: dict
 
 def options_given(options: dict) -> list[str]:
     """The options (as ``--option value``) that differ from ``generate``'s defaults."""
-    from tensorpar.models.generation import generate
     defaults = inspect.signature(generate).parameters
     return [f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v != defaults[k].default]
 
@@ -116,8 +114,6 @@ def generate_rows(model, spec) -> dict:
     own, then again with the logits of every step, off the record. The split model runs
     ``generate``'s default engine (the lean forward where it applies); the unsplit one, the
     reference, its own forward (``engine="hf"``): the comparison shares no forward code."""
-    from tensorpar.models.generation import generate, prompts
-
     rows, n, options = spec["prompt_ids"], spec["max_new_tokens"], spec["options"]
     if getattr(model, "tp_report", None) is None:
         options = {**options, "engine": "hf"}

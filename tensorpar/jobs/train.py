@@ -36,13 +36,19 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
+from tensorpar.apply import parallelize
 from tensorpar.data import batch_for_step, open_tokens
-from tensorpar.jobs.relay import Relay
-from tensorpar.plots import plot_losses
+from tensorpar.dist import mesh as data_mesh
 from tensorpar.jobs import train_checks as checks
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers, vocab_size)
+from tensorpar.jobs.relay import Relay
 from tensorpar.jobs.train_checks import ZERO
+from tensorpar.models.saving import export, load, save
+from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.models.training import train_step
+from tensorpar.planner.mesh import state_bytes
+from tensorpar.plots import plot_losses
 
 TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
 COLLECTIVE_TIMEOUT_S = 300.0  # a checkpoint's barrier waits for the slowest rank's writes
@@ -177,8 +183,6 @@ def _tiny_model(out: Path, seed: int) -> Path:
     """A tiny random Llama with 256 ids (UTF-8 bytes) in ``out/tiny-llama``, written in a folder of
     this process's and moved in file by file (``os.replace``): torchrun's processes all write the
     same files, and none reads a half-written one."""
-    from tensorpar.models.testing import make_tiny_checkpoint
-
     out.mkdir(parents=True, exist_ok=True)
     final, tmp = out / TINY_MODEL, out / f".{TINY_MODEL}.{socket.gethostname()}.{os.getpid()}"
     make_tiny_checkpoint(tmp, "llama", seed=seed, vocab_size=256)
@@ -194,8 +198,6 @@ def _tiny_model(out: Path, seed: int) -> Path:
 def train_worker(spec: dict, tokens, sink) -> dict:
     """One rank: build, resume, train steps ``start+1 .. steps`` (saving), export; what it did and
     holds, and ``stopped``: the step whose loss or gradient norm was not finite (None: none)."""
-    from tensorpar.models.saving import export, save
-
     device = _device()
     model, opt, mesh = _build(spec, device)
     start = _resume(model, opt, spec)
@@ -229,8 +231,6 @@ def train_worker(spec: dict, tokens, sink) -> dict:
 
 def _step(model, opt, ids, step: int, spec: dict, dp_group) -> dict:
     """One training step; its loss (the global batch's mean), gradient norm and time."""
-    from tensorpar.models.training import train_step
-
     t0 = time.perf_counter()
     res = train_step(model, opt, ids, max_norm=spec["max_norm"])
     loss = torch.tensor([res["loss"]], dtype=torch.float64, device=ids.device)
@@ -242,9 +242,6 @@ def _step(model, opt, ids, step: int, spec: dict, dp_group) -> dict:
 
 def _build(spec: dict, device: torch.device):
     """The checkpoint's dense model split on the ``(dp, tp)`` mesh, and AdamW over its parameters."""
-    from tensorpar.apply import parallelize
-    from tensorpar.dist import mesh as data_mesh
-
     quiet_transformers()
     mesh = data_mesh.init_mesh(spec["dp"], spec["tp"], device.type)
     model = dense_model(spec["path"], DTYPES[spec["dtype"]]).to(device)
@@ -270,7 +267,6 @@ def _resume(model, opt, spec) -> int:
     this run's (the command line says what this run does)."""
     if spec["resume"] is None:
         return 0
-    from tensorpar.models.saving import load
 
     step = load(model, opt, spec["resume"])
     assert step == spec["start"], (step, spec["start"])  # the folder resolved before the launch
@@ -331,8 +327,6 @@ def _with_plan(cfg: TrainConfig, inv, per_rank: list) -> list:
     """Each rank's memory with the planner's figure for the same rank beside it
     (:func:`tensorpar.planner.mesh.state_bytes` over the model's inventory: parameters, gradients and
     AdamW's two moments; the measured optimizer bytes also hold AdamW's step counters)."""
-    from tensorpar.planner.mesh import state_bytes
-
     e = DTYPES[cfg.dtype].itemsize
     out = []
     for r in per_rank:

@@ -19,6 +19,12 @@ import math
 import os
 from pathlib import Path
 
+from tensorpar import dist
+from tensorpar.dist.rendezvous import BACKENDS, under_torchrun
+from tensorpar.models.saving import LATEST, check_writable, record, resolve
+from tensorpar.sharding import sequence
+from tensorpar.sharding.inventory import build_inventory
+
 ZERO = {0: "ddp", 3: "fsdp"}  # --zero: the ZeRO stage, and PyTorch's engine that gives it
 TRAIN_DTYPES = ("float32", "float64", "bfloat16")
 # What a checkpoint of tensorpar train holds per parameter: the weight and AdamW's two moments.
@@ -60,7 +66,6 @@ def check_layout(cfg) -> None:
     if cfg.sequence_parallel and cfg.seq % cfg.tp:
         raise ValueError(f"--seq {cfg.seq} must be divisible by --tp {cfg.tp} with --sequence-parallel; "
                          f"e.g. --seq {cfg.tp * max(1, cfg.seq // cfg.tp)}")
-    from tensorpar.dist.rendezvous import BACKENDS
     if cfg.backend not in BACKENDS:
         raise ValueError(f"--backend {cfg.backend!r} is not supported; valid: {', '.join(BACKENDS)}")
 
@@ -68,8 +73,6 @@ def check_layout(cfg) -> None:
 def check_paths(cfg) -> None:
     """No path is empty; ``--out`` (where loss.png and checkpoints/ go) and ``--export`` are
     folders this process can write into or create. Creates nothing."""
-    from tensorpar.models.saving import check_writable
-
     for name in ("model", "data", "out", "resume", "export"):
         value = getattr(cfg, name)
         if value is not None and str(value) == "":
@@ -89,8 +92,6 @@ def check_paths(cfg) -> None:
 def check_world(world: int, backend: str) -> None:
     """Local ranks: no more than this machine can hold, and the backend can serve them (NCCL: a
     GPU each). Under torchrun the processes are already there: dp x tp must be their number."""
-    from tensorpar import dist
-    from tensorpar.dist.rendezvous import under_torchrun
     env = os.environ.get("WORLD_SIZE")
     if under_torchrun() and env != str(world):
         raise ValueError(f"--dp x --tp = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
@@ -104,9 +105,6 @@ def check_split(cfg, ckpt):
     """The model's inventory (its split at this tp, built on the meta device), after refusing what
     the ranks would refuse later: sequence parallelism over mixture-of-experts layers, and saving
     a transposed (Conv1D) shard under FSDP."""
-    from tensorpar.sharding import sequence
-    from tensorpar.sharding.inventory import build_inventory
-
     inv = build_inventory(ckpt.path, cfg.tp, head=True)
     if cfg.sequence_parallel:
         moe = sorted({s for s in inv.plan.values() if s in sequence.MOE_STYLES})
@@ -167,8 +165,6 @@ def check_room(cfg, params_total: int, itemsize: int, start: int, save_dir: Path
     """Room for every checkpoint the run will save (each kept: the weights and AdamW's two moments,
     with DCP's overhead) and for the export (the weights), summed where they share a filesystem:
     found before training, not after it (an export that does not fit loses the whole run)."""
-    from tensorpar.models.saving import check_writable
-
     weights = params_total * itemsize
     need = []
     n = saves(start, cfg.steps, cfg.save_every)
@@ -210,7 +206,6 @@ def resume_point(cfg, tokens) -> tuple[int, str | None]:
     """``(step, folder)`` of the checkpoint ``cfg.resume`` names; ``(0, None)`` without one."""
     if cfg.resume is None:
         return 0, None
-    from tensorpar.models.saving import record, resolve
 
     folder = resolve(cfg.resume)  # ValueError unless a complete tensorpar checkpoint, checked whole
     saved = record(folder)
@@ -234,8 +229,6 @@ def check_previous_run(cfg, save_dir: Path, now: dict, resume_folder: str | None
     other settings (another seed, data, learning rate, model, ...) is refused, unless this run
     resumes from it; its saves would otherwise sit beside (and replace ``latest`` among) those of
     a run it does not continue. A rerun with the same settings writes the same checkpoints again."""
-    from tensorpar.models.saving import LATEST, record
-
     if not (save_dir / LATEST).exists():
         return
     if resume_folder is not None and Path(resume_folder).resolve().parent == save_dir.resolve():

@@ -43,9 +43,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tensorpar import dist
+from tensorpar.architecture import configs
 from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    nonfinite, open_checkpoint, parse_dtype, quiet_transformers)
 from tensorpar.jobs.routing import RoutingReplay
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.training import causal_lm_loss
+from tensorpar.sharding.audit import audit
 
 
 def rounding_factor(tp: int) -> float:
@@ -170,22 +174,13 @@ def _checked_args(model_dir, tp_sizes, dtype, batch, seq, inject_fault):
 
 def _n_layers(config: dict) -> int:
     """The layer count of config.json or, in a multimodal model's, of its language model's config."""
-    from tensorpar.planner.hfconfig import text_configs
-
-    for c in text_configs(config):
-        n = c.get("num_hidden_layers") or c.get("n_layer") or c.get("num_layers") or c.get("decoder_layers")
-        if n:
-            return n
-    return 0
+    return next((n for c in configs.text_configs(config) if (n := configs.n_layers(c))), 0)
 
 
 # ---- on every rank ---------------------------------------------------------------------------
 
 def verify_worker(spec: dict):
     """Every rank runs both models; each compares its own shards; the worst figures are reduced."""
-    from tensorpar.models.checkpoint import load_sharded
-    from tensorpar.sharding.audit import audit
-
     quiet_transformers()
     dist.check_collectives(True)  # every collective's signature compared across the ranks first
     dtype = DTYPES[spec["dtype"]]
@@ -315,7 +310,6 @@ def _loss(model, inputs, decoder: bool):
         hidden = model.base_model(**inputs).last_hidden_state  # (B, T, H); a head, if any, is not used
         proj = torch.randn(hidden.shape[-1], generator=torch.Generator().manual_seed(7), dtype=hidden.dtype)
         return (hidden @ proj).square().mean()
-    from tensorpar.models.training import causal_lm_loss
     return causal_lm_loss(model, inputs["input_ids"])
 
 

@@ -35,7 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tensorpar.architecture import configs
 from tensorpar.models.conversion import map_checkpoint
+from tensorpar.sharding.apply import parallelize
+from tensorpar.sharding.model_classes import eager_experts, meta_model
 from tensorpar.sharding.spec import ShardSpec
 
 
@@ -66,10 +69,6 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     parameters (default: ``config.dtype``, else float32). ``model_class``: a transformers class
     (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
     """
-    from tensorpar.sharding.apply import parallelize
-    from tensorpar.sharding.resolve import eager_experts
-    from tensorpar.sharding.sizes import meta_model
-
     path = Path(path)
     files = _check_dir(path)
     meta = _tensor_index(files)
@@ -197,8 +196,6 @@ def check_checkpoint(path, *, model_class=None) -> dict:
     tensor the model needs present with its shape and a float storage (through transformers' own
     checkpoint conversions, on a meta-device model). Returns ``{tensor_name: (file, shape, dtype,
     nbytes)}``; raises ``ValueError`` naming the file and tensor. Reads headers only."""
-    from tensorpar.sharding.sizes import meta_model
-
     path = Path(path)
     files = _check_dir(path)
     meta = _tensor_index(files)
@@ -209,39 +206,31 @@ def check_checkpoint(path, *, model_class=None) -> dict:
     return meta
 
 
-# config.json's core sizes (and their names in older configs): each a positive integer.
-_CORE_SIZES = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "hidden_size", "n_embd", "d_model",
-               "num_attention_heads", "n_head", "vocab_size", "intermediate_size")
-_LAYER_SIZES = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers")
 _LAYER_KEY = re.compile(r"\.(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
 
 def _check_sizes(config: dict, meta: dict, path: Path) -> None:
-    """config.json's core sizes are positive integers, and it asks for no more layers than the
+    """config.json's core sizes (``configs.CORE_SIZES``, at the top and in every nested config) are
+    positive integers (per layer: a list of them), and it asks for no more layers than the
     checkpoint holds: checked before a model is built (a billion layers would be built, on the
     meta device, until memory runs out)."""
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'} is not a JSON object (got {type(config).__name__})")
-    configs = [config] + [v for k, v in config.items() if k.endswith("_config") and isinstance(v, dict)]
-    for cfg in configs:
-        for name in _CORE_SIZES:
+    subs = [cfg for _, cfg in configs.nested(config)]
+    for cfg in subs:
+        for name in configs.CORE_SIZES:
             v = cfg.get(name)
-            per_layer = isinstance(v, list) and v and all(map(_positive, v))  # Gemma-3n: one size per layer
-            if v is not None and not (_positive(v) or per_layer):
+            if v is not None and not configs.positive(v):
                 raise ValueError(f"{path / 'config.json'}: {name}={v!r} must be a positive integer")
     held = {int(m.group(1)) for key in meta for m in [_LAYER_KEY.search(f".{key}")] if m}
     if not held:
         return
-    for cfg in configs:
-        for name in _LAYER_SIZES:
+    for cfg in subs:
+        for name in configs.NAMES["layers"]:
             v = cfg.get(name)
             if isinstance(v, int) and v > max(held) + 1:
                 raise ValueError(f"{path / 'config.json'}: {name}={v} but the checkpoint's tensors hold layers "
                                  f"0..{max(held)} only ({max(held) + 1}); config.json does not describe these weights")
-
-
-def _positive(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 def _file_header(file: Path) -> dict:

@@ -30,6 +30,7 @@ from tensorpar import dist
 from tensorpar.models.lean import lean_decoder
 from tensorpar.models.sampling import Sampler, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear
+from tensorpar.sharding.audit import check_same_inputs
 
 ENGINES = ("auto", "lean", "hf")
 
@@ -73,7 +74,6 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     report = getattr(model, "tp_report", None)
     group = report.tp_group if report is not None and report.tp_size > 1 else False
     if group is not False:  # ranks given different prompts or settings would decode a model no one has
-        from tensorpar.sharding.audit import check_same_inputs
         check_same_inputs(group, input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                           sampler=repr(sampler), stops=repr((stops, pad)), engine=engine)
     step = _Stepper(model, group, padded=bool((mask == 0).any()), engine=engine,

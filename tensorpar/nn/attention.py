@@ -16,7 +16,7 @@ from tensorpar import dist
 from tensorpar.nn.attention_ops import KVCache, attention_core, check_attn_mask
 from tensorpar.nn.dense import Attention
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, tp_info
-from tensorpar.nn.partition import valid_attention_tp_sizes
+from tensorpar.architecture.tp_rules import kv_head_of_rank, kv_split, valid_attention_tp_sizes
 from tensorpar.nn.validation import check_dtype, check_last_dim, check_sequence_input
 
 
@@ -117,8 +117,7 @@ class ParallelAttention(nn.Module):
             setattr(self, name, getattr(attn, name))
         self.rng_tracker = rng_tracker
         self.n_heads_per_partition = attn.n_heads // self.tp_size
-        self.kv_replicas = max(1, self.tp_size // attn.n_kv_heads)
-        self.n_kv_heads_per_partition = max(1, attn.n_kv_heads // self.tp_size)
+        self.n_kv_heads_per_partition, self.kv_replicas = kv_split(attn.n_kv_heads, self.tp_size)
         self.q_proj = ColumnParallelLinear.from_dense(attn.q_proj, tp_group=tp_group,
                                                       skip_input_comm=True)
         self.k_proj, self.v_proj = self._kv(attn.k_proj), self._kv(attn.v_proj)
@@ -129,8 +128,8 @@ class ParallelAttention(nn.Module):
         if self.kv_replicas == 1:
             return ColumnParallelLinear.from_dense(linear, tp_group=self.tp_group,
                                                    skip_input_comm=True)
-        return ReplicatedHeadLinear(linear, self.tp_rank // self.kv_replicas, self.n_kv_heads,
-                                    self.head_dim, self.tp_group)
+        return ReplicatedHeadLinear(linear, kv_head_of_rank(self.tp_rank, self.tp_size, self.n_kv_heads),
+                                    self.n_kv_heads, self.head_dim, self.tp_group)
 
     def forward(self, x: torch.Tensor, *, cache: KVCache | None = None,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:

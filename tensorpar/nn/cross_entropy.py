@@ -16,7 +16,7 @@ import torch
 
 from tensorpar import dist
 from tensorpar.nn.layers import tp_info
-from tensorpar.nn.partition import padded_range
+from tensorpar.architecture.tp_rules import padded_range
 from tensorpar.nn.validation import check_choice
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorpar import dist
-from tensorpar.nn.partition import divide, padded_range, padded_size
+from tensorpar.architecture.tp_rules import divide, padded_range, padded_size
 from tensorpar.nn.validation import (check_dtype, check_ids, check_last_dim, check_positive,
                                      check_seq_divisible, check_sequence_input)
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from tensorpar.nn.dense import ACTIVATIONS, GATED, MLP, mlp_hidden
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, tp_info
-from tensorpar.nn.partition import divide
+from tensorpar.architecture.tp_rules import divide
 from tensorpar.nn.validation import (check_choice, check_dtype, check_last_dim,
                                      check_sequence_input)
 

@@ -1,17 +1,22 @@
 """tensorpar.sharding: plans and their application, from a model's declaration to its proof.
 
-- :mod:`.registry`: what tensorpar knows about each architecture (plain data);
-- :mod:`.plan`: patterns, sizes and the typed records passed between the steps;
-- :mod:`.styles`: every style a plan can name, with its builder (:mod:`.param_styles`: those
-  that split one parameter of a module that stays);
+``parallelize`` (:mod:`.apply`) walks one way, each step a module handing a typed record
+(:mod:`.plan`) to the next: :mod:`.declare` -> :mod:`.resolve` -> :mod:`.check` -> :mod:`.place`
+-> :mod:`.commit` -> :mod:`.prove`. Beside them:
+
+- :mod:`.sizes`: a model's sizes from its config and attention modules;
+- :mod:`.model_classes`: transformers' classes of a model type, a model on the meta device;
+- :mod:`.replica`: tiny configs of any architecture, and the replica a model on the meta device
+  is run and proved through;
 - :mod:`.declared`: transformers' declared styles in tensorpar's;
-- :mod:`.resolve` (with :mod:`.marks`: regions, KV heads, gradient sync; :mod:`.sizes`: what a
-  plan splits) -> :mod:`.feasibility` / :mod:`.checks` -> :mod:`.styles` (build) ->
-  :mod:`.commit` -> :mod:`.prove` (with :mod:`.probes`: how the model is run; :mod:`.verdicts`:
-  comparisons and blame): the steps of ``parallelize`` (:mod:`.apply`);
-- :mod:`.certify`: a model on the meta device proved through a small replica;
-- :mod:`.discover`: checked column -> row pairs of a model nothing declares;
+- :mod:`.marks` (regions, KV heads, gradient sync), :mod:`.discover` (checked column -> row
+  pairs of a model nothing declares): what ``resolve`` completes a plan with;
+- :mod:`.styles` (:mod:`.param_styles`, :mod:`.spec`): every style a plan can name, with its builder;
+- :mod:`.probes`, :mod:`.verdicts`: how the proof runs a model and judges a split;
+- :mod:`.sequence`: sequence parallelism on a split model; :mod:`.audit`: replicas compared
+  across ranks; :mod:`.report`: what was done (``model.tp_report``);
 - :mod:`.inventory`: what a resolved plan costs, per layer and collective, for the planner.
 
-Importing this package loads nothing heavy; ``parallelize`` is ``tensorpar.parallelize``.
+What tensorpar knows about each architecture is data in ``tensorpar.architecture``. Importing
+this package loads nothing heavy; ``parallelize`` is ``tensorpar.parallelize``.
 """

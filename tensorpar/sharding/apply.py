@@ -1,42 +1,51 @@
 """``parallelize``: a plan applied to a model, in place, exactly or not at all.
 
-The work walks one way, each step handing a typed record to the next:
+The work walks one way, each step a module handing a typed record (:mod:`.plan`) to the next:
 
-1. **resolve** (:mod:`.resolve`): the plan (the registry's, the model's declaration translated,
-   the user's, or discovered pairs) as a :class:`~.plan.Resolution`: a style per concrete module
-   and parameter, the regions, the gradients to synchronise, the blocks left whole and why;
-2. **check** (:mod:`.feasibility`, :mod:`.checks`): every split size against tp (ValueError
-   listing the valid tp sizes), a user plan against the family's units;
-3. **build** (:mod:`.styles`): every replacement module and parameter shard, without touching
-   the model; in an ``"auto"`` plan a block whose builder refuses it stays whole;
-4. **commit** (:mod:`.commit`): swap modules and parameters, re-tie, install the region hooks,
-   set per-rank head counts; every change is logged so it can be undone;
-5. **prove** (:mod:`.prove`): the split model against the dense one on example inputs, forward
+1. **declare** (:mod:`.declare`): which plan, in tensorpar's styles (the registry's, the model's
+   declaration translated, the user's, or none: pairs to discover) -> ``Declaration``;
+2. **resolve** (:mod:`.resolve`): a style per concrete module and parameter, the regions, the
+   gradients to synchronise, the blocks left whole and why -> ``Resolution``;
+3. **check** (:mod:`.check`): every split size against tp (ValueError listing the valid tp
+   sizes), a user plan against the family's units -> ``FeasibilityReport``;
+4. **place** (:mod:`.place`): every replacement module and parameter shard built, without
+   touching the model; in an ``"auto"`` plan a block whose builder refuses it stays whole -> ``Shards``;
+5. **commit** (:mod:`.commit`): swap modules and parameters, re-tie, install the region hooks,
+   set per-rank head counts; every change is logged so it can be undone -> ``Undo``;
+6. **prove** (:mod:`.prove`): the split model against the dense one on example inputs, forward
    and backward, every parameter's gradient; a block that fails is restored whole (``"auto"``)
    or the whole model is restored and ``ValueError`` names it (a user plan).
 
-After any error the model is exactly as it was (parameters, module types, hooks, attributes).
+A model on the meta device has no weights to run: its replica (:mod:`.replica`, built once) is
+what discovery and the proof run, through the same steps (:func:`_split_exactly`), never through
+``parallelize`` again. After any error the model is exactly as it was (parameters, module types,
+hooks, attributes).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
 from torch import nn
 
-from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
+from tensorpar import dist
+from tensorpar.architecture.plans import generic
 from tensorpar.dist import mesh as data_mesh
+from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
-from tensorpar.sharding import checks, commit as C, marks as M, probes, prove as P, resolve as R, sequence as SP
-from tensorpar.sharding.certify import certify
-from tensorpar.sharding.feasibility import report as feasibility_report
-from tensorpar.sharding.plan import base_prefix
+from tensorpar.sharding import marks, probes, sequence
+from tensorpar.sharding.check import check
+from tensorpar.sharding.commit import commit, tag_params
+from tensorpar.sharding.declare import declare
+from tensorpar.sharding.place import place
+from tensorpar.sharding.prove import TOLERANCE, Evidence
+from tensorpar.sharding.replica import replica_of
 from tensorpar.sharding.report import ParallelizeReport
-from tensorpar.sharding.sizes import attention_dims, sizes_of
-from tensorpar.sharding.styles import REGION_STYLES, STYLES, Built, StyleContext
+from tensorpar.sharding.resolve import resolve
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
-MAX_ATTEMPTS = 8  # build -> prove rounds: each one leaves at least one more unit whole
+MAX_ATTEMPTS = 8  # place -> commit -> prove rounds: each one leaves at least one more unit whole
 
 
 def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data_parallel: str | None = None,
@@ -71,37 +80,27 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
         tp_group = data_mesh.tp_group_of(mesh)
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     params_total = sum(p.numel() for p in model.parameters())
-    res = R.resolve(model, plan, tp_size, example_inputs)
-    res.layer_params_total = sum(p.numel() for _, b in probes.blocks(model) for p in b.parameters())
-    _check(model, res, tp_size)
-    seq_blocks = SP.check(model, res, tp_size) if sequence_parallel else None
     on_meta = any(p.is_meta for p in model.parameters())
+    decl = declare(model, plan)
+    replica = _replica(model, decl, tp_size, prove, on_meta)
+    res = resolve(model, decl, tp_size, example_inputs, runnable=replica)
+    res.layer_params_total = sum(p.numel() for _, b in probes.blocks(model) for p in b.parameters())
+    _checked(model, res, tp_size)
+    seq_blocks = sequence.check(model, res, tp_size) if sequence_parallel else None
     evidence = None
-    if prove and tp_size > 1 and on_meta:  # no weights to run: prove a small replica instead
-        res.whole.update(certify(model, plan, tp_group, example_inputs))
-        M.drop_whole(res)
+    if prove and tp_size > 1 and on_meta:  # no weights to run: prove the replica instead
+        res.whole.update(_replica_whole(replica, plan, tp_group, example_inputs))
+        marks.drop_whole(res)
     elif prove and tp_size > 1:
-        evidence = P.Evidence.collect(model, res, example_inputs)
-    for _ in range(MAX_ATTEMPTS):
-        built = _build(model, res, tp_group, tp_size, tp_rank)
-        undo = C.commit(model, res, built, tp_group, tp_size)
-        failed = evidence.check(model, res, built, tp_group) if evidence is not None else {}
-        if not failed:
-            break
-        undo.revert()
-        if res.strict:
-            raise ValueError("plan does not compute the model's function: " +
-                             "; ".join(f"{k}: {v}" for k, v in failed.items()))
-        _fall_back(res, failed)
-    else:
-        raise ValueError(f"could not split {type(model).__name__} exactly after {MAX_ATTEMPTS} attempts")
+        evidence = Evidence.collect(model, res, example_inputs)
+    shards, undo = _split_exactly(model, res, tp_group, evidence)
     if sequence_parallel:
         _sequence_parallel(model, res, seq_blocks, tp_group, tp_size, undo,
                            prove and not on_meta, example_inputs)
         if not (prove and not on_meta):
             res.notes.append("sequence parallelism applied without its proof (" +
                              ("no weights to run" if on_meta else "prove=False") + ")")
-    C.tag_params(model, built, tp_size, res)
+    tag_params(model, shards)
     model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
@@ -123,21 +122,20 @@ def _sequence_parallel(model, res, blist, tp_group, tp_size, undo, prove: bool, 
     """Sequence parallelism on the split model; with ``prove``, the model's output and every
     gradient with it equal those without it (rounding only), else everything is undone."""
     try:
-        inputs = SP.example(model, given_inputs, tp_size) if prove else None
-        before = SP.run(model, inputs) if prove else None
-        SP.apply(model, res, blist, tp_group, undo)
+        inputs = sequence.example(model, given_inputs, tp_size) if prove else None
+        before = sequence.run(model, inputs) if prove else None
+        sequence.apply(model, res, blist, tp_group, undo)
         if not prove:
             return
         try:
-            after = SP.run(model, inputs)
+            after = sequence.run(model, inputs)
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # the same on every rank
             raise ValueError(f"sequence_parallel=True: {type(model).__name__} fails on sequence chunks "
                              f"({type(exc).__name__}: {exc}); use sequence_parallel=False") from exc
-        errors = SP.differences(model, before, after, blist)
-        tol = P.TOLERANCE.get(probes.least_precise({before[2], after[2]}), 1e-4)
+        errors = sequence.differences(model, before, after, blist)
+        tol = TOLERANCE.get(probes.least_precise({before[2], after[2]}), 1e-4)
         keys = sorted(errors)
         worst = torch.tensor([errors[k][0] for k in keys], dtype=torch.float64)
-        from tensorpar import dist
         dist.all_reduce(worst, tp_group, op="max")  # every rank reaches the same verdict
         bad = {k: e for k, e in zip(keys, worst.tolist()) if not e <= tol}
         if bad:
@@ -153,7 +151,6 @@ def _sequence_parallel(model, res, blist, tp_group, tp_size, undo, prove: bool, 
 def _fall_back(res, failed: dict) -> None:
     """A failed unit splits a safer way where there is one (a mixture of experts whose block ends in
     a norm reduces its experts where they are made, not at its output), else stays whole."""
-    from tensorpar.sharding.feasibility import generic
     moe = {generic(n) for n, p in res.placements.items() if p.style == "moe"}
     for name, why in failed.items():
         if name.startswith("@unsync:"):
@@ -168,7 +165,7 @@ def _fall_back(res, failed: dict) -> None:
             res.notes.append(f"{name}: experts reduced where they are made ({why})")
         else:
             res.whole[name] = why
-    M.drop_whole(res)
+    marks.drop_whole(res)
 
 
 def _check_dense(model) -> None:
@@ -181,57 +178,45 @@ def _check_dense(model) -> None:
             raise ValueError(f"model is already parallelized ({what}); build a fresh dense model")
 
 
-def _check(model, res, tp_size) -> None:
-    """A user plan against its modules' kinds and its family's units, then every split size."""
-    needs_heads = [n for n, p in res.placements.items() if STYLES[p.style].needs_heads]
-    if needs_heads and res.dims is None:
-        raise ValueError(f"styles on {needs_heads[:3]} need the model's head counts, which its config "
-                         f"does not give (num_attention_heads, hidden_size)")
-    if res.source == "user":
-        modules = {n: s for n, s in res.styles().items() if STYLES[s].target == "module"}
-        checks.check_plan(model, modules, res.arch, res.dims, tp_size, base_prefix(model))
-    feas = feasibility_report(res.arch or type(model).__name__, sizes_of(model, res), tp_size)
-    res.feasibility = feas
-    if not feas.ok:
-        raise ValueError(feas.error_message())
-    res.notes = feas.fixes + res.notes
+def _checked(model, res, tp_size) -> None:
+    """Step 3, its report and fixes (KV-head replication, vocabulary padding) kept in ``res``."""
+    res.feasibility = check(model, res, tp_size)
+    res.notes = res.feasibility.fixes + res.notes
 
 
-def _context(model, name: str, p, regs: dict, res, tp_group, tp_size, tp_rank) -> StyleContext:
-    """The builder's context: the sizes (inside an attention region, its module's own heads),
-    whether an enclosing region copies the input in, and whether a ``moe`` region reduces the
-    block's output once for all its partial sums."""
-    anchor = M.region_of(name, regs)
-    dims = res.dims
-    if anchor is not None and dims is not None and regs[anchor].style == "attention":
-        dims = attention_dims(model.get_submodule(anchor), dims)
-    return StyleContext(tp_group, tp_size, tp_rank, dims, anchor is not None, p,
-                        reduce_later=anchor is not None and regs[anchor].style in ("moe", "moe_experts"))
+def _replica(model, decl, tp_size: int, prove: bool, on_meta: bool):
+    """The one replica a model on the meta device is run through, where anything must run: to
+    discover its pairs, to complete its declaration, to prove its split. None otherwise."""
+    needed = decl.source == "discovered" or (tp_size > 1 and (prove or decl.source == "declared"))
+    return replica_of(model, tp_size) if on_meta and needed else None
 
 
-def _build(model, res, tp_group, tp_size, tp_rank) -> dict:
-    """``{name: Built}`` for every placement with a builder; a block whose builder refuses it is
-    left whole (an ``"auto"`` plan; a user plan raises)."""
-    while True:
-        built, failed = {}, {}
-        regs = M.regions(res.placements)
-        for name, p in res.placements.items():
-            style = STYLES[p.style]
-            if style.build is None:
-                continue
-            owner = model.get_submodule(name.rpartition(".")[0]) if style.target == "param" else (
-                model.get_submodule(name))
-            ctx = _context(model, name, p, regs, res, tp_group, tp_size, tp_rank)
-            try:
-                built[name] = style.build(owner, ctx, name)
-            except ValueError as exc:
-                if res.strict:
-                    raise
-                failed[name] = str(exc)
+def _replica_whole(replica, plan, tp_group, example_inputs) -> dict:
+    """``{generic block: why}``: what the proof leaves whole on the replica, split by the same
+    steps (every rank holds the same replica: the proof's collectives line up)."""
+    plan = copy.deepcopy(plan) if isinstance(plan, dict) else plan
+    res = resolve(replica, declare(replica, plan), tp_info(tp_group)[0], example_inputs, runnable=replica)
+    _checked(replica, res, tp_info(tp_group)[0])
+    _split_exactly(replica, res, tp_group, Evidence.collect(replica, res, example_inputs))
+    return dict(res.whole)
+
+
+def _split_exactly(model, res, tp_group, evidence):
+    """Steps 4 to 6 until the proof passes: ``(Shards, Undo)``. A failed unit is undone and split
+    a safer way or left whole (an ``"auto"`` plan), at most :data:`MAX_ATTEMPTS` rounds; a user
+    plan that fails raises ``ValueError`` with the model restored."""
+    for _ in range(MAX_ATTEMPTS):
+        shards = place(model, res, tp_group)
+        undo = commit(model, res, shards, tp_group)
+        failed = evidence.check(model, res, shards, tp_group) if evidence is not None else {}
         if not failed:
-            return built
-        res.whole.update(failed)
-        M.drop_whole(res)
+            return shards, undo
+        undo.revert()
+        if res.strict:
+            raise ValueError("plan does not compute the model's function: " +
+                             "; ".join(f"{k}: {v}" for k, v in failed.items()))
+        _fall_back(res, failed)
+    raise ValueError(f"could not split {type(model).__name__} exactly after {MAX_ATTEMPTS} attempts")
 
 
-__all__ = ["parallelize", "REGION_STYLES", "Built"]
+__all__ = ["parallelize"]

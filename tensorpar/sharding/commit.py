@@ -1,4 +1,5 @@
-"""Step 4 of ``parallelize``: the built shards put into the model, every change logged for undo.
+"""Step 5 of ``parallelize``: the built :class:`~.plan.Shards` put into the model, every change
+logged for undo.
 
 ``commit`` swaps each planned module for its parallel version (or each planned parameter for its
 shard), re-ties parameters that were tied (input embedding = output head), installs the region
@@ -14,10 +15,15 @@ from functools import partial
 import torch
 from torch import nn
 
+from tensorpar import dist
+from tensorpar.architecture import registry
+from tensorpar.architecture.configs import is_count
+from tensorpar.architecture.tp_rules import kv_split, local_heads
 from tensorpar.nn import ReplicatedHeadLinear, RowParallelLinear, regions
-from tensorpar.sharding import registry
-from tensorpar.sharding import marks as M
-from tensorpar.sharding.sizes import attention_dims, is_count
+from tensorpar.nn.random import _TP_SEED_OFFSET, TP_RNG, RNGStatesTracker
+from tensorpar.sharding import marks
+from tensorpar.sharding.plan import Shards
+from tensorpar.sharding.sizes import attention_dims
 from tensorpar.sharding.spec import ShardSpec
 
 _MISSING = object()
@@ -105,7 +111,10 @@ def plan_ties(model, built) -> list:
     return ties
 
 
-def commit(model, res, built: dict, tp_group, tp_size: int) -> Undo:
+def commit(model, res, shards: Shards, tp_group) -> Undo:
+    """Put ``shards`` into ``model`` (the region hooks, head counts and gradient synchronisation
+    ``res`` implies with them); the :class:`Undo` that restores it. On any error nothing stays changed."""
+    built, tp_size = shards.built, shards.tp_size
     ties = plan_ties(model, built)  # may raise: nothing changed yet
     undo = Undo()
     try:
@@ -143,7 +152,7 @@ def _put(model, name, b, tp_group, undo) -> None:
 
 def _regions(model, res, tp_group, tp_size, undo) -> None:
     arch = registry.arch(res.arch)
-    for anchor, p in M.regions(res.placements).items():
+    for anchor, p in marks.regions(res.placements).items():
         module = model.get_submodule(anchor)
         handle = regions.enter_region(module, tp_group, all_inputs=p.style == "moe_experts")
         undo.add(handle.remove)
@@ -156,7 +165,7 @@ def _regions(model, res, tp_group, tp_size, undo) -> None:
             undo.add(regions.exit_region(module, tp_group).remove)
         if p.style == "moe_split":  # reduce where the partial sums are made: the routed experts' output
             for sub in module.modules():
-                if M._is_experts(sub):
+                if marks._is_experts(sub):
                     undo.add(regions.exit_region(sub, tp_group).remove)
         if p.style == "attention":
             dims = attention_dims(module, res.dims)  # the dense module's, before its counts change
@@ -189,7 +198,6 @@ def rng_fork(model, tp_group, undo) -> "regions.RngFork":
     model that closes a stretch a failed forward left open)."""
     fork = model.__dict__.get("_tp_rng_fork")
     if fork is None:
-        from tensorpar.nn.random import TP_RNG, _TP_SEED_OFFSET, RNGStatesTracker
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         tracker = RNGStatesTracker("cpu" if device.type == "meta" else device)
         tracker.add(TP_RNG, torch.initial_seed() + _TP_SEED_OFFSET + module_rank(tp_group))
@@ -200,7 +208,6 @@ def rng_fork(model, tp_group, undo) -> "regions.RngFork":
 
 
 def module_rank(tp_group) -> int:
-    from tensorpar import dist
     return dist.get_rank(tp_group)
 
 
@@ -213,8 +220,7 @@ def module_heads(module, anchor: str, res) -> tuple[int, int]:
 def _set_heads(module, d, res, tp_size, undo) -> None:
     """Per-rank head counts on an attention module of dense sizes ``d`` (and on its own copy of
     the config where the architecture's attention reads them there)."""
-    q, kv = d.n_heads, d.n_kv_heads
-    hq, hkv = q // tp_size, (kv // tp_size if kv % tp_size == 0 else 1)
+    hq, hkv = local_heads(d.n_heads, d.n_kv_heads, tp_size)
     values = {"q": hq, "kv": hkv, "groups": hq // hkv}
     for attr, what in registry.HEAD_ATTRS.items():
         if is_count(getattr(module, attr, None)):
@@ -248,9 +254,10 @@ def _slice_head_inputs(module, args, kwargs, *, layouts, dims, tp_size, tp_rank)
     return args, out
 
 
-def tag_params(model, built: dict, tp_size: int, res) -> None:
+def tag_params(model, shards: Shards) -> None:
     """Give every parameter ``tp_replicas`` (ranks holding an identical copy) and ``tp_spec``."""
-    for name, b in built.items():
+    tp_size = shards.tp_size
+    for name, b in shards.built.items():
         owner = b.module if b.module is not None else model.get_submodule(name.rpartition(".")[0])
         prefix = name if b.module is not None else name.rpartition(".")[0]
         for attr, spec in b.specs.items():
@@ -259,7 +266,7 @@ def tag_params(model, built: dict, tp_size: int, res) -> None:
                 continue
             p.tp_spec = ShardSpec(f"{prefix}.{attr}", spec.dim, spec.pieces, spec.pad_to, spec.transpose)
             if isinstance(owner, ReplicatedHeadLinear):
-                p.tp_replicas = tp_size // owner.n_kv_heads  # one KV head, held by this many ranks
+                p.tp_replicas = kv_split(owner.n_kv_heads, tp_size)[1]  # one KV head, held by this many ranks
             elif getattr(owner, "replicas", 1) > 1:
                 p.tp_replicas = owner.replicas
             else:

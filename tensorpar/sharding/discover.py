@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from tensorpar.nn.regions import hidden_input, replace_input
+
 
 def first_tensor(out):
     """The main tensor of a module's output: a model output's logits or last hidden state, else
@@ -115,7 +117,6 @@ def _as_shard(model, a_names, b_name, i, p):
 def _with_grad_input(args, kwargs):
     """The call's arguments with the hidden states (every occurrence of the first tensor, as the
     region's entry copies them) replaced by a fresh leaf taking gradients."""
-    from tensorpar.nn.regions import hidden_input, replace_input
     x = hidden_input(args, kwargs)
     if x is None or not x.is_floating_point():
         return None, args, dict(kwargs)

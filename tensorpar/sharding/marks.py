@@ -9,7 +9,12 @@ unsplit parameter inside a region, whose gradient is only this rank's share. ``u
 """
 from __future__ import annotations
 
-from tensorpar.sharding.plan import Dims, Placement, Resolution, parent_name
+from torch import nn
+
+from tensorpar.architecture.plans import generic, parent_name
+from tensorpar.architecture.tp_rules import Dims
+from tensorpar.sharding.plan import Placement, Resolution
+from tensorpar.sharding.sizes import attention_dims
 from tensorpar.sharding.styles import STYLES, splits_module
 
 
@@ -47,7 +52,6 @@ def _is_attention(module) -> bool:
 def _is_experts(module) -> bool:
     """A fused mixture-of-experts module: it holds its experts' weights as 3-D parameters (a
     convolution's 3-D kernel is not one: Kimi-Linear's short convolutions)."""
-    from torch import nn
     if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)):
         return False
     return any(p.dim() == 3 for p in module.parameters(recurse=False))
@@ -56,7 +60,6 @@ def _is_experts(module) -> bool:
 def _is_block(model, name: str) -> bool:
     """``name`` is a transformer block: an item of a ``ModuleList`` (Gemma-4 calls its experts from
     the decoder layer, which holds the attention too: no region can be the whole layer)."""
-    from torch import nn
     return bool(name) and isinstance(model.get_submodule(parent_name(name)), nn.ModuleList)
 
 
@@ -103,7 +106,6 @@ def region_of(name: str, regs: dict) -> str | None:
 def mark_kv(model, placements: dict, dims: Dims | None) -> dict:
     """Column linears of attention regions that produce the KV heads -> ``colwise_kv`` (by each
     attention module's own heads: layers of one model may differ)."""
-    from tensorpar.sharding.sizes import attention_dims
     if dims is None:
         return placements
     regs = regions(placements)
@@ -215,7 +217,6 @@ def unit_root(name: str, placements: dict) -> str:
 def drop_whole(res: Resolution) -> None:
     """Remove every placement of each unit the resolution leaves whole. ``res.whole`` names a
     block concretely or generically (``model.layers.*.mlp``: every layer's MLP)."""
-    from tensorpar.sharding.feasibility import generic
     for block in list(res.whole):
         g = generic(block)
         for name in list(res.placements):

@@ -8,11 +8,14 @@ precise floating dtype on the gradient path, whose tolerance applies.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tensorpar.architecture import configs
+from tensorpar.nn.regions import hidden_input
 from tensorpar.sharding.discover import call_model, first_tensor
 
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 12
@@ -41,8 +44,7 @@ def example_inputs(model, given=None):
         if dummy is None:
             raise ValueError(f"parallelize(prove=True) needs example_inputs=... for {type(model).__name__}")
         return dummy
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    limit = limit if isinstance(limit, int) and limit > 0 else EXAMPLE_SEQ
+    limit = configs.max_positions(config) or EXAMPLE_SEQ
     g = torch.Generator().manual_seed(20261201)
     ids = torch.randint(0, vocab, (EXAMPLE_BATCH, min(EXAMPLE_SEQ, limit)), generator=g)
     inputs = {"input_ids": ids.to(device_of(model))}
@@ -59,7 +61,6 @@ def has_cross_attention(model) -> bool:
 
 def encoder_states(model, batch: int, g):
     """Random encoder states for a decoder with cross-attention (so the proof runs it too)."""
-    import inspect
     if "encoder_hidden_states" not in inspect.signature(model.forward).parameters or not has_cross_attention(model):
         return None
     config = model.config.get_text_config()
@@ -148,7 +149,6 @@ def grads_by_name(module, prefix: str) -> dict:
 
 
 def with_input_grad(args, kwargs):
-    from tensorpar.nn.regions import hidden_input
     args, kwargs = clone(args), clone(kwargs)
     x = hidden_input(args, kwargs)
     if x is None or not x.is_floating_point():

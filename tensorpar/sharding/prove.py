@@ -1,4 +1,4 @@
-"""Step 5 of ``parallelize``: the split model proved against the dense one, forward and backward.
+"""Step 6 of ``parallelize``: the split model proved against the dense one, forward and backward.
 
 Before anything changes, :meth:`Evidence.collect` runs the dense model on example inputs (random
 token ids, the same on every rank): the output of the whole model and, with a fixed random
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensorpar import dist
+from tensorpar.architecture.plans import generic
 from tensorpar.sharding import probes
 from tensorpar.sharding.discover import first_tensor
-from tensorpar.sharding.feasibility import generic
 from tensorpar.sharding.probes import (ALL_BLOCKS_BELOW, Precision, block_run, blocks, call, capture, cotangent,
                                        example_inputs, grads_by_name, least_precise, quiet)
 from tensorpar.sharding.verdicts import blame, over_reduced, param_error, raised_in, rel, shard_specs, worst_params
@@ -82,12 +83,11 @@ class Evidence:
                         ev.block_runs[bname] = block_run(block, bname, *captured[bname], seed=100 + i)
         return ev
 
-    def check(self, model, res, built, tp_group) -> dict:
+    def check(self, model, res, shards, tp_group) -> dict:
         """``{generic block name: why}`` for every part whose split differs from the dense run
         (``"@unsync:<parameter>"``: a synchronised gradient that needs none)."""
-        from tensorpar import dist
         tp_size = dist.get_world_size(tp_group)
-        specs = shard_specs(model, built)
+        specs = shard_specs(model, shards.built)
         blist = {name: model.get_submodule(name) for name in self.block_names}
         errors = self._whole_errors(model, res, blist, specs, tp_size) if self.whole_run else {}
         if not self.whole_run:

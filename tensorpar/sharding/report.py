@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorpar.sharding.probes import blocks
+
 
 @dataclass
 class ParallelizeReport:
@@ -14,7 +16,7 @@ class ParallelizeReport:
     (the dense model's unique parameters, tied ones once); ``proved``: ``True`` when the split
     was checked against the dense model on example inputs, forward and backward (tp 1: nothing
     to prove), ``"replica"`` for a model on the meta device, proved through a small replica of
-    its config (``tensorpar.sharding.certify``), ``False`` when the caller gave up the proof."""
+    its config (``tensorpar.sharding.replica``), ``False`` when the caller gave up the proof."""
     family: str | None
     source: str  # "tensorpar", "declared", "user" or "discovered"
     tp_size: int
@@ -44,7 +46,6 @@ class ParallelizeReport:
                       if n and any(True for _ in m.parameters(recurse=False))
                       and not any(getattr(getattr(p, "tp_spec", None), "is_shard", False)
                                   for p in m.parameters(recurse=False))]
-        from tensorpar.sharding.probes import blocks
         blist = blocks(model)
         in_blocks = [(n, m) for b, blk in blist for n, m in blk.named_modules(prefix=b)]
         layer_now = sum(p.numel() for _, blk in blist for p in blk.parameters())

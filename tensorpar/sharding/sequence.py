@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import torch
 
+from tensorpar.architecture import configs
 from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
                           VocabParallelEmbedding, regions)
-from tensorpar.sharding import marks as M, probes
+from tensorpar.sharding import marks, probes
 from tensorpar.sharding.commit import has_dropout, rng_fork
 from tensorpar.sharding.discover import first_tensor
 from tensorpar.sharding.verdicts import rel
@@ -52,7 +53,7 @@ def check(model, res, tp_size: int) -> list:
     if not blist:
         raise ValueError(f"sequence_parallel=True needs the model's transformer blocks (a ModuleList); "
                          f"{type(model).__name__} has none")
-    other = sorted({p.style for a, p in M.regions(res.placements).items()} - set(REGION_STYLES))
+    other = sorted({p.style for a, p in marks.regions(res.placements).items()} - set(REGION_STYLES))
     if other:
         raise ValueError(f"sequence_parallel=True supports blocks whose tensor-parallel regions are "
                          f"{' and '.join(REGION_STYLES)}; this model has {', '.join(other)} regions "
@@ -67,7 +68,7 @@ def _anchors(res, blist) -> set:
     """The region anchors inside the chosen blocks (a vision tower's regions outside them keep
     their whole inputs and stay as they are)."""
     names = [b for b, _ in blist]
-    return {a for a in M.regions(res.placements) if any(a.startswith(b + ".") for b in names)}
+    return {a for a in marks.regions(res.placements) if any(a.startswith(b + ".") for b in names)}
 
 
 def _inside(name: str, anchors: set) -> bool:
@@ -142,9 +143,8 @@ def example(model, given, tp_size: int):
         keep = t - t % tp_size
         return {k: v[:, :keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == t else v
                 for k, v in inputs.items()}
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if isinstance(limit, int) and limit < tp_size:
+    limit = configs.max_positions(getattr(model, "config", None))
+    if limit is not None and limit < tp_size:
         raise ValueError(f"sequence_parallel=True with tp={tp_size} needs sequences of at least {tp_size} "
                          f"tokens; {type(model).__name__} takes at most {limit}")
     reps = -(-tp_size // t)  # the example tokens repeated up to tp of them

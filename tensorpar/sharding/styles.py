@@ -21,11 +21,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tensorpar.architecture import registry
+from tensorpar.architecture.tp_rules import fits, kv_head_of_rank, kv_split
 from tensorpar.nn import (ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, ShardedRMSNorm,
                           VocabParallelEmbedding)
 from tensorpar.nn.rebase import column_parallel_like, vocab_parallel_like
 from tensorpar.nn.regions import sync_rows_grad
-from tensorpar.sharding import registry
 from tensorpar.sharding.param_styles import (param_colwise, param_heads, param_packed_colwise, param_packed_rowwise,
                                              param_rank0, param_rowwise)
 from tensorpar.sharding.plan import Built, StyleContext
@@ -116,12 +117,12 @@ def colwise_kv(module, ctx, name):
     if d is None or not ctx.in_region:
         raise ValueError(f"style 'colwise_kv' ({name!r}) needs the model's head counts and an "
                          f"enclosing 'attention' region; use 'colwise' instead")
-    if d.n_kv_heads % ctx.tp_size == 0:
+    if fits("divide", d.n_kv_heads, ctx.tp_size):
         return _column(module, ctx, skip_input_comm=True)
-    if ctx.tp_size % d.n_kv_heads or module.out_features != d.n_kv_heads * d.head_dim:
+    if not fits("kv", d.n_kv_heads, ctx.tp_size) or module.out_features != d.n_kv_heads * d.head_dim:
         raise ValueError(f"{name!r}: {module.out_features} outputs are not {d.n_kv_heads} KV heads of "
                          f"{d.head_dim} that tp_size ({ctx.tp_size}) divides or is a multiple of")
-    kv_head = ctx.tp_rank // (ctx.tp_size // d.n_kv_heads)  # the KV head of this rank's query heads
+    kv_head = kv_head_of_rank(ctx.tp_rank, ctx.tp_size, d.n_kv_heads)  # the KV head of this rank's query heads
     mod = ReplicatedHeadLinear(module, kv_head, d.n_kv_heads, d.head_dim, ctx.tp_group)
     rows = ShardSpec("", 0, ((kv_head * d.head_dim, (kv_head + 1) * d.head_dim),))
     return Built(mod, {"weight": rows, "bias": rows})
@@ -139,7 +140,7 @@ def fused_colwise(module, ctx, name):
             piece = even_pieces(width, ctx.tp_rank, ctx.tp_size, offset=start)[0]
         else:  # one KV head, the one of this rank's query heads
             d = ctx.dims
-            head = ctx.tp_rank // (ctx.tp_size // d.n_kv_heads)
+            head = kv_head_of_rank(ctx.tp_rank, ctx.tp_size, d.n_kv_heads)
             piece = (start + head * d.head_dim, start + (head + 1) * d.head_dim)
             replicated.append((local, local + d.head_dim))
         rows.append(piece)
@@ -147,14 +148,14 @@ def fused_colwise(module, ctx, name):
     built = _column(module, ctx, skip_input_comm=ctx.in_region, rows=tuple(rows))
     if replicated:
         d = ctx.dims
-        slot = ctx.tp_rank // (ctx.tp_size // d.n_kv_heads)
+        slot = kv_head_of_rank(ctx.tp_rank, ctx.tp_size, d.n_kv_heads)
         for attr in ("weight", "bias"):
             p = getattr(built.module, attr)
             if p is not None:
                 sync_rows_grad(p, replicated, slot, d.n_kv_heads, ctx.tp_group, f"{name}.{attr}",
                                owner=built.module, attr=attr)
         built.module.replicated_rows = tuple(replicated)
-        built.module.row_replicas = ctx.tp_size // d.n_kv_heads
+        built.module.row_replicas = kv_split(d.n_kv_heads, ctx.tp_size)[1]
     return built
 
 
@@ -176,7 +177,7 @@ def fused_segments(module, ctx, name) -> list:
         width, count, what = units[seg] if isinstance(seg, str) else (seg, seg, "width")
         if count % tp == 0:
             mode = "split"
-        elif seg == "kv" and tp % count == 0:
+        elif seg == "kv" and fits("kv", count, tp):
             mode = "replicated"
         else:
             raise ValueError(f"{name!r}: tp_size ({tp}) must divide the {what} ({count}) of each "
@@ -275,9 +276,9 @@ def norm_sharded(module, ctx, name):
     if d is None or width is None:
         raise ValueError(f"style 'norm_sharded' on {name!r} needs an RMSNorm with a weight and the model's heads")
     kv = width == d.n_kv_heads * d.head_dim and d.n_kv_heads != d.n_heads
-    if kv and d.n_kv_heads % ctx.tp_size and ctx.tp_size % d.n_kv_heads == 0:
-        replicas = ctx.tp_size // d.n_kv_heads
-        head = ctx.tp_rank // replicas
+    if kv and d.n_kv_heads % ctx.tp_size and fits("kv", d.n_kv_heads, ctx.tp_size):
+        replicas = kv_split(d.n_kv_heads, ctx.tp_size)[1]
+        head = kv_head_of_rank(ctx.tp_rank, ctx.tp_size, d.n_kv_heads)
         pieces = ((head * d.head_dim, (head + 1) * d.head_dim),)
         mod = ShardedRMSNorm.from_dense(module, pieces, tp_group=ctx.tp_group, replicas=replicas)
         sync_rows_grad(mod.weight, ((0, d.head_dim),), head, d.n_kv_heads, ctx.tp_group, f"{name}.weight",

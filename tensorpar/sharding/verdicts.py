@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from tensorpar.sharding.feasibility import generic
+from tensorpar.architecture.plans import generic
 from tensorpar.sharding.marks import unit_root
 from tensorpar.sharding.probes import blocks
 from tensorpar.sharding.spec import ShardSpec

@@ -1,9 +1,10 @@
 """Architecture facts in one place: what tensorpar knows about each ``model_type``.
 
 Every consumer reads this module: ``parallelize`` (the plan to apply and how attention modules
-hold their head counts), ``load_sharded`` and the jobs (which models are supported and how to
-read their sizes), and the planner (through the inventory ``tensorpar.sharding.inventory``
-builds from the same resolved plan). Plain data, importable without torch.
+hold their head counts), ``load_sharded`` and the jobs (which models are supported), the tiny
+models and the proof's replicas (their sizes), the lean decode path (which types it takes), and
+the planner (through the inventory ``tensorpar.sharding.inventory`` builds from the same resolved
+plan). Plain data, standard library only.
 
 How a plan is chosen for a model (``tensorpar.sharding.resolve``):
 
@@ -16,11 +17,15 @@ How a plan is chosen for a model (``tensorpar.sharding.resolve``):
    ``qkv_proj`` split per head and segment instead of gathered);
 3. otherwise column -> row pairs found and checked numerically (``tensorpar.sharding.discover``).
 
-Adding an architecture is one :class:`Arch` entry, or nothing when the model declares its plan.
+Adding an architecture is one :class:`Arch` entry, or nothing when the model declares its plan
+and its tiny model builds from the generic sizes (``tensorpar.architecture.tiny``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from tensorpar.architecture.plans import Unit, plan_of_units
+from tensorpar.architecture.tiny import OMIT
 
 # Attributes an attention module may hold its head counts in, and what each one counts. A
 # module's attributes of these names are set to their per-rank values when its heads are split.
@@ -33,16 +38,6 @@ HEAD_ATTRS = {
 # a name like ``hidden_size`` means the model width instead.
 WIDTH_ATTRS = ("all_head_size", "split_size", "embed_dim", "hidden_size", "inner_dim", "kv_dim")
 KV_WIDTH_ATTRS = ("kv_dim",)  # KV heads x head dim
-
-# Config field names of each size, in the order they are looked for.
-CONFIG_NAMES = {
-    "n_heads": ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"),
-    "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_n_heads", "num_query_groups"),
-    "head_dim": ("head_dim", "kv_channels", "attention_head_dim", "dim_head"),
-    "ffn": ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "ffn_hidden_size", "dim_ff"),
-    "hidden": ("hidden_size", "n_embd", "d_model", "dim_model"),
-    "vocab": ("vocab_size",),
-}
 
 
 @dataclass(frozen=True)
@@ -61,13 +56,20 @@ class Arch:
       (ALiBi biases), with their layout: ``"batch*heads"`` (``(B * n_heads, ...)``) or
       ``"heads"`` (``(n_heads, ...)``).
     - ``linear_classes``: ``nn.Linear`` subclasses whose forward computes exactly ``x W^T + b``.
-    - ``config_names``: the config field of a size where it is none of :data:`CONFIG_NAMES`.
-    - ``units``: family blocks a user plan must split whole (``tensorpar.sharding.checks``).
+    - ``config_names``: the config field of a size where it is none of
+      :data:`tensorpar.architecture.configs.NAMES`.
+    - ``units``: family blocks a user plan must split whole (``tensorpar.sharding.check``).
     - ``whole``: module-name pattern -> why it stays whole (reported, never approximated): what the
       proof finds inexact for this architecture, recorded so that the plan, the planner's prediction
       and the checkpoint loader agree before any proof runs.
     - ``no_sync``: replicated parameters inside a region whose gradient is whole on every rank
       already (they act after the region's reduction): not all-reduced.
+    - ``tiny``: what its tiny model needs besides the generic sizes of
+      :mod:`tensorpar.architecture.tiny` (sizes its validators insist on, fields whose generic
+      value does not fit it; :data:`~tensorpar.architecture.tiny.OMIT`: leave the field to the
+      config's own rule); with ``tiny_only``, every size of its tiny model, the generic ones unused.
+    - ``lean``: the prefix of its transformers classes (``"Llama"``) where the lean decode path
+      (``tensorpar.models.lean``) takes it, else None.
     """
     name: str
     plan: dict | None = None
@@ -82,42 +84,36 @@ class Arch:
     whole: dict = field(default_factory=dict)
     no_sync: tuple = ()
     notes: tuple = ()
+    tiny: dict = field(default_factory=dict)
+    tiny_only: bool = False
+    lean: str | None = None
 
-
-def _unit(kind, anchor, members, optional=()):
-    from tensorpar.sharding.plan import Unit
-    return Unit(kind, anchor, members, optional)
-
-
-def _units_plan(first, units, last):
-    from tensorpar.sharding.plan import plan_of_units
-    return plan_of_units(first, units, last)
 
 
 # ---- tensorpar's own plans, for architectures that declare none -------------------------------
 
 _DECODER_UNITS = (
-    _unit("attention", "layers.*.self_attn", (("", "attention"), ("q_proj", "colwise"),
+    Unit("attention", "layers.*.self_attn", (("", "attention"), ("q_proj", "colwise"),
           ("k_proj", "colwise_kv"), ("v_proj", "colwise_kv"), ("o_proj", "rowwise"))),
-    _unit("mlp", "layers.*.mlp", (("gate_proj", "colwise"), ("up_proj", "colwise"),
+    Unit("mlp", "layers.*.mlp", (("gate_proj", "colwise"), ("up_proj", "colwise"),
           ("down_proj", "rowwise")), optional=(("", "mlp"),)),
 )
 _GPT2_UNITS = (
-    _unit("attention", "h.*.attn", (("", "attention"), ("c_attn", "conv1d_qkv"),
+    Unit("attention", "h.*.attn", (("", "attention"), ("c_attn", "conv1d_qkv"),
           ("c_proj", "conv1d_rowwise"))),
-    _unit("mlp", "h.*.mlp", (("c_fc", "conv1d_colwise"), ("c_proj", "conv1d_rowwise"))),
+    Unit("mlp", "h.*.mlp", (("c_fc", "conv1d_colwise"), ("c_proj", "conv1d_rowwise"))),
 )
 # BERT's row partners sit outside the module that holds the column linears:
 # attention.self.{query,key,value} -> attention.output.dense, intermediate.dense -> output.dense.
 _BERT_UNITS = (
-    _unit("attention", "encoder.layer.*.attention", (("self", "attention"), ("self.query", "colwise"),
+    Unit("attention", "encoder.layer.*.attention", (("self", "attention"), ("self.query", "colwise"),
           ("self.key", "colwise"), ("self.value", "colwise"), ("output.dense", "rowwise"))),
-    _unit("mlp", "encoder.layer.*", (("intermediate.dense", "colwise"), ("output.dense", "rowwise"))),
+    Unit("mlp", "encoder.layer.*", (("intermediate.dense", "colwise"), ("output.dense", "rowwise"))),
 )
 
-_LLAMA = _units_plan({"embed_tokens": "vocab"}, _DECODER_UNITS, {"lm_head": "vocab_head"})
-_GPT2 = _units_plan({"wte": "vocab"}, _GPT2_UNITS, {"lm_head": "vocab_head"})
-_BERT = _units_plan({"embeddings.word_embeddings": "vocab"}, _BERT_UNITS,
+_LLAMA = plan_of_units({"embed_tokens": "vocab"}, _DECODER_UNITS, {"lm_head": "vocab_head"})
+_GPT2 = plan_of_units({"wte": "vocab"}, _GPT2_UNITS, {"lm_head": "vocab_head"})
+_BERT = plan_of_units({"embeddings.word_embeddings": "vocab"}, _BERT_UNITS,
                     {"cls.predictions.decoder": "vocab_head", "lm_head.decoder": "vocab_head",
                      "generator_lm_head": "vocab_head"})
 # Encoders of BERT's layout under other names (used as decoders by their *ForCausalLM classes).
@@ -196,12 +192,25 @@ _MLA = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "
         "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
 
 
+# Tiny sizes of multi-head latent attention: 4 KV heads (the latent's), head_dim derived by the config.
+_MLA_TINY = dict(num_key_value_heads=4, head_dim=OMIT)
+
 ARCHS: dict[str, Arch] = {a.name: a for a in (
-    Arch("llama", units=_DECODER_UNITS),
-    Arch("mistral", units=_DECODER_UNITS),
-    Arch("qwen2", units=_DECODER_UNITS),
-    Arch("gpt2", _GPT2, head_attrs=("split_size",), units=_GPT2_UNITS),
-    Arch("bert", _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS),
+    # The first phase's families keep the sizes their tests count parameters from.
+    Arch("llama", units=_DECODER_UNITS, lean="Llama", tiny_only=True, tiny=dict(
+        vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
+    Arch("mistral", units=_DECODER_UNITS, lean="Mistral", tiny_only=True, tiny=dict(
+        vocab_size=130, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)),
+    Arch("qwen2", units=_DECODER_UNITS, lean="Qwen2", tiny_only=True, tiny=dict(
+        vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=12,
+        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)),
+    Arch("gpt2", _GPT2, head_attrs=("split_size",), units=_GPT2_UNITS, tiny_only=True, tiny=dict(
+        vocab_size=130, n_embd=48, n_layer=2, n_head=12, n_positions=64, bos_token_id=0, eos_token_id=1)),
+    Arch("bert", _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS, tiny_only=True, tiny=dict(
+        vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=12,
+        max_position_embeddings=64, pad_token_id=0)),
     *(Arch(name, _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS) for name in _BERT_LIKE),
     Arch("opt", _OPT),
     Arch("bart", _BART_DECODER), Arch("mbart", _BART_DECODER), Arch("marian", _BART_DECODER),
@@ -265,18 +274,29 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
         "layers.*.self_attn": "a replicated per-feature scale multiplies the split heads (the proof's split raised)",
         "layers.*.mlp": "a replicated per-feature scale multiplies the split width (the proof's split raised)"}),
     # Doge's dt_proj maps the values of every KV head to each head's gate: no split of the heads
-    # keeps it local.
-    Arch("doge", whole={"layers.*.self_attn": "dt_proj mixes the values of every KV head (the proof's split raised)"}),
+    # keeps it local. Its tiny model has its experts switched on (the full-size default has none).
+    Arch("doge", whole={"layers.*.self_attn": "dt_proj mixes the values of every KV head (the proof's split raised)"},
+         tiny=dict(is_moe=True)),
     # AXK-1 normalises its MoE output inside the block (post_mlp_layernorm): the experts reduce
     # where they are made, and the norm's gradient, whole on every rank, needs no sync.
-    Arch("axk1", overrides={"layers.*.mlp": "moe_split"}, no_sync=("layers.*.mlp.post_mlp_layernorm.weight",)),
+    Arch("axk1", overrides={"layers.*.mlp": "moe_split"}, no_sync=("layers.*.mlp.post_mlp_layernorm.weight",),
+         tiny=_MLA_TINY),
     # Multi-head latent attention the declaration does not name: the low-rank q_a / kv_a projections
     # stay whole (their gradients synchronised), q_b / kv_b split by heads, o_proj by rows.
-    *(Arch(name, overrides=_MLA) for name in ("deepseek_v3", "youtu", "sarvam_mla")),
+    *(Arch(name, overrides=_MLA, tiny=_MLA_TINY) for name in ("deepseek_v3", "youtu", "sarvam_mla")),
     # Kimi-Linear's linear-attention layers (also ``self_attn``) run short convolutions over their
-    # projections' channels, which no style splits yet: the attention stays whole.
+    # projections' channels, which no style splits yet: the attention stays whole. Its tiny model's
+    # delta-attention layers would default to 32 heads of 128 (reference kernel: ~1 s a pass).
     Arch("kimi_linear", overrides=_MLA, whole={
-        "layers.*.self_attn": "its linear-attention layers convolve the projections' channels (the proof's split raised)"}),
+        "layers.*.self_attn": "its linear-attention layers convolve the projections' channels (the proof's split raised)"},
+         tiny=dict(_MLA_TINY, linear_num_heads=4, linear_head_dim=16)),
+    # Declared plans whose tiny models need sizes of their own: multi-head latent attention,
+    # the query-sparse indexer of Qwen4's indexed-attention layers, Gemma-4's experts switched on.
+    *(Arch(name, tiny=_MLA_TINY) for name in ("deepseek_v2", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                                              "minicpm3", "longcat_flash", "axk2")),
+    Arch("qwen4_exp_text", tiny=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                                     indexer_compress_ratio=2)),
+    Arch("gemma4_text", tiny=dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)),
     Arch("modernbert-decoder", overrides={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise",
                                           "layers.*.attn.v_proj": "colwise", "layers.*.attn.Wo": "rowwise",
                                           "layers.*.mlp.Wi": "fused_colwise", "layers.*.mlp.Wo": "rowwise"},
@@ -302,6 +322,7 @@ def arch(model_type: str | None) -> Arch | None:
 
 
 FAMILIES = tuple(ARCHS)  # the architectures with an entry here (more run from their declared plan)
+LEAN_TYPES = tuple(name for name, a in ARCHS.items() if a.lean)  # those the lean decode path takes
 
 
 def linear_equivalents() -> frozenset:

@@ -12,27 +12,14 @@ each kind of the full one at least once, in the order they first appear.
 """
 from __future__ import annotations
 
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
+from tensorpar.architecture.configs import NAMES, get as _get, n_layers
+
+LAYER_COUNTS = NAMES["layers"]
 _LEADING_DENSE = ("first_k_dense_replace", "num_dense_layers")  # layers [0, k) dense
 _PERIODS = ("decoder_sparse_step", "interleave_moe_layer_step", "attn_layer_period", "expert_layer_period",
             "moe_layer_interval", "no_rope_layer_interval")
 _OFFSETS = ("attn_layer_offset", "expert_layer_offset")
 _INDEX_LISTS = ("mlp_only_layers", "moe_layers")
-
-
-def _get(config, name):
-    try:
-        return getattr(config, name, None)
-    except Exception:  # noqa: BLE001 - configs whose per-layer attributes raise on the global name
-        return None
-
-
-def n_layers(config) -> int | None:
-    for name in LAYER_COUNTS:
-        value = _get(config, name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def _kind_lists(config, n_full: int) -> dict:
