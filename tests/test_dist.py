@@ -762,6 +762,9 @@ def test_ranks_start_from_the_fork_server_with_the_launchers_environment_now(mon
     again = dist.launch(W.environment_worker, 2, "TENSORPAR_FORK_CHECK")
     assert [v for v, _ in again] == ["set after the server started"] * 2, again
     assert {p for _, p in again} == {p for _, p in first}  # the same server: TENSORPAR_* is read when used
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "the next test (call)")  # pytest sets it per test
+    next_test = dist.launch(W.environment_worker, 2, "TENSORPAR_FORK_CHECK")
+    assert {p for _, p in next_test} == {p for _, p in first}  # a restart per test: each pays the imports
     monkeypatch.setenv("SOME_LIBRARY_SETTING", "read at import")
     restarted = dist.launch(W.environment_worker, 2, "SOME_LIBRARY_SETTING")
     assert [v for v, _ in restarted] == ["read at import"] * 2 and {p for _, p in restarted} != {p for _, p in first}

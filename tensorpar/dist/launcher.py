@@ -109,6 +109,9 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
 PRELOAD = ("torch", "torch.distributed", "tensorpar.dist", "tensorpar.nn", "transformers",
            "transformers.modeling_utils")
 _SERVER_ENV: dict = {}  # {"key": the environment the fork server started with}
+# Variables no module reads at import, which change while a process runs: pytest names the
+# running test in PYTEST_CURRENT_TEST (a restart per test would cost each test the imports).
+_NOT_READ_AT_IMPORT = ("PYTEST_CURRENT_TEST",)
 
 
 def _context():
@@ -116,14 +119,15 @@ def _context():
     per launching process, with :data:`PRELOAD` imported), or ``spawn`` where the platform has no
     fork server or ``TENSORPAR_START_METHOD=spawn`` asks. The server is restarted when the
     environment differs from the one it started with (outside ``TENSORPAR_*``, which are read
-    when used): what a module read from it at import (``HF_HUB_OFFLINE``, thread counts) must be
-    what the launcher has now. Each rank still gets the launcher's whole environment at start."""
+    when used, and :data:`_NOT_READ_AT_IMPORT`): what a module read from it at import
+    (``HF_HUB_OFFLINE``, thread counts) must be what the launcher has now. Each rank still gets the launcher's whole environment at start."""
     if settings.start_method() == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
-    key = sorted((k, v) for k, v in os.environ.items() if not k.startswith("TENSORPAR_"))
+    key = sorted((k, v) for k, v in os.environ.items()
+                 if not k.startswith("TENSORPAR_") and k not in _NOT_READ_AT_IMPORT)
     if _SERVER_ENV.get("key") not in (None, key):
         forkserver._forkserver._stop()  # the standard library's own way to stop its server
     if _SERVER_ENV.get("key") != key:
