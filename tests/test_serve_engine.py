@@ -1,0 +1,154 @@
+"""The serving engine, scheduler and job (tensorpar/models/engine.py, jobs/serve_scheduler.py,
+jobs/serve_job.py) without HTTP: 32 requests of mixed lengths, samplers and ``n``, submitted at
+once through 8 slots and 16 tokens a step, each equal to ``generate`` on it alone, at tp 1
+(in this process), 2 and 4 (one 4-rank launch); the scheduler's continuous batching step by step;
+a job's stop strings and held-back text."""
+import functools
+
+import pytest
+import torch
+
+from tensorpar import dist
+from tensorpar.jobs.serve_job import Job
+from tensorpar.jobs.serve_scheduler import QueueFull, Scheduler
+from tensorpar.models.sampling import Sampler
+from tensorpar.models.tiny import make_tiny_model
+from tests import _serve_workers as W
+
+# float64: the engine's packed rows sum in another order than generate's batch (other matmul
+# shapes, another mask), ~1e-16 relative; 1e-10 is far above that and far below any fault
+# (a wrong position or key moves logits by >1e-3 on this model).
+LOGITS_TOL = 1e-10
+
+
+@functools.lru_cache(maxsize=None)
+def dense_run():
+    model = make_tiny_model("llama", seed=3)
+    reqs = W.requests(32)
+    return model, reqs, W.run_engine(model, reqs, slots=8, step_tokens=16, logits=True)
+
+
+@functools.lru_cache(maxsize=None)
+def split_runs() -> list:
+    return dist.launch(W.engine_worker, 4, 32, deadline=600)
+
+
+def test_tp1_every_request_equals_generate_alone():
+    model, reqs, got = dense_run()
+    assert got["tokens"] == W.alone(model, reqs)
+    # it was batched: up to 8 requests at a time, prefill chunked within the step's 16 tokens
+    assert got["max_rows"] == 8 and got["max_prefill_tokens"] == 16, got
+    assert got["steps"] < sum(m for _, m, _, _ in reqs) / 2, got["steps"]
+
+
+def test_tp1_logits_equal_the_model_on_the_request_alone():
+    """Every token's logits (request, choice, step) against the model's own forward on that
+    request's prompt and the tokens it drew before."""
+    model, reqs, got = dense_run()
+    worst = 0.0
+    with torch.inference_mode():
+        for (i, c, step), seen in got["logits"].items():
+            prompt = reqs[i][0] + got["tokens"][i][c][:step]
+            want = model(torch.tensor([prompt])).logits[0, -1].double()
+            worst = max(worst, float((seen - want).abs().max() / want.abs().max()))
+    assert len(got["logits"]) == sum(len(t) for choices in got["tokens"] for t in choices)
+    assert worst <= LOGITS_TOL, worst
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_every_request_equals_generate_alone(tp):
+    runs = split_runs()
+    for rank, res in enumerate(runs):
+        got = res[tp]
+        assert got["tokens"] == got["alone"], (rank, tp)
+        assert got["tokens"] == runs[0]["dense_alone"], (rank, tp)
+        assert got["max_rows"] == 8, got["max_rows"]
+
+
+def test_the_cases_have_power():
+    """Requests differ, sampled ones differ from greedy ones on the same prompt, and each finishes
+    at its own max_tokens: equal tokens would otherwise prove little."""
+    model, reqs, got = dense_run()
+    assert len({tuple(t[0]) for t in got["tokens"]}) >= 30  # two greedy runs of this tiny model converge
+    assert [len(t[0]) for t in got["tokens"]] == [m for _, m, _, _ in reqs]
+    two = [t for (_, _, s, n), t in zip(reqs, got["tokens"]) if n == 2 and s.get("do_sample")]
+    assert any(a != b for a, b in two), "n=2 sampled choices must differ"
+    prompt, m, _, _ = reqs[1]
+    assert W.alone(model, [(prompt, m, {}, 1)])[0] != got["tokens"][1], "temperature 0.7 drew as greedy"
+
+
+# ---- the scheduler, step by step (no model: the tokens are made up) -------------------------------
+
+def _job(prompt, max_tokens, n=1, **kw):
+    events = []
+    return Job(prompt, n=n, sampler=Sampler(), max_tokens=max_tokens, emit=events.append, **kw), events
+
+
+def _rows(plan):
+    return [(r.slot, r.start, len(r.ids)) for r in plan.rows]
+
+
+def test_requests_join_between_steps_prefill_is_chunked_and_slots_are_reused():
+    s = Scheduler(slots=2, step_tokens=4, max_queue=4)
+    a, _ = _job([1, 2, 3], max_tokens=3)
+    s.submit(a)
+    assert _rows(s.next_plan(0)) == [(0, 0, 3)]
+    s.finish([[7]])
+    b, _ = _job([4, 5, 6, 7, 8, 9], max_tokens=1)
+    c, _ = _job([1, 1], max_tokens=1)
+    s.submit(b)
+    s.submit(c)
+    # b joins the running batch: a's decode row first, then 3 of b's 6 prompt tokens (4 - 1)
+    plan = s.next_plan(0)
+    assert _rows(plan) == [(0, 3, 1), (1, 0, 3)] and len(plan.draws) == 1
+    assert plan.rows[0].ids == (7,)
+    s.finish([[8]])
+    plan = s.next_plan(0)
+    assert _rows(plan) == [(0, 4, 1), (1, 3, 3)] and len(plan.draws) == 2  # b's prompt done: its first token
+    s.finish([[9], [5]])  # a reaches max_tokens 3, b its 1: both slots free
+    assert [ch.ids for ch in a.choices] == [[7, 8, 9]] and (s.queue_depth, s.running) == (1, 0)
+    assert _rows(s.next_plan(0)) == [(0, 0, 2)]  # c waited for a slot and takes the lowest
+    s.finish([[3]])
+    assert s.idle
+
+
+def test_a_cancelled_request_frees_its_slot_at_the_next_step():
+    s = Scheduler(slots=1, step_tokens=2, max_queue=4)
+    a, events = _job([1, 2], max_tokens=50)
+    b, _ = _job([3], max_tokens=1)
+    s.submit(a)
+    s.submit(b)
+    s.next_plan(0)
+    s.finish([[5]])
+    a.cancel()
+    assert _rows(s.next_plan(0)) == [(0, 0, 1)]  # b in a's slot, a gone
+    assert events == [("delta", 0, "", [5])]
+
+
+def test_the_queue_is_bounded():
+    s = Scheduler(slots=1, step_tokens=1, max_queue=2)
+    for _ in range(2):
+        s.submit(_job([1], 1)[0])
+    with pytest.raises(QueueFull, match="--max-queue 2"):
+        s.submit(_job([1], 1)[0])
+    with pytest.raises(ValueError, match=r"max tokens in flight \(3\) must be at least the batch size \(4\)"):
+        Scheduler(slots=4, step_tokens=3, max_queue=1)
+
+
+def test_a_stop_string_across_tokens_is_held_back_and_cut():
+    letters = "abcdefgh"
+    job, events = _job([0], max_tokens=10, stop_texts=("cd",), decode=lambda ids: "".join(letters[i] for i in ids))
+    assert [job.deliver({0: t}) for t in (0, 1, 2)] == [set(), set(), set()]
+    assert events == [("delta", 0, "a", [0]), ("delta", 0, "b", [1]), ("delta", 0, "", [2])]  # "c" may begin "cd"
+    assert job.deliver({0: 3}) == {0}
+    assert events[3:] == [("delta", 0, "", [3]), ("finish", 0, "stop")]  # the text before the stop string only
+
+
+def test_a_stop_token_and_max_tokens_end_a_choice():
+    job, events = _job([0], max_tokens=3, n=2, stop_ids=(2,), decode=lambda ids: " ".join(map(str, ids)))
+    assert job.deliver({0: 5, 1: 2}) == {1}
+    assert job.deliver({0: 6}) == set() and job.deliver({0: 2 + 5}) == {0}
+    finishes = [e for e in events if e[0] == "finish"]
+    assert finishes == [("finish", 1, "stop"), ("finish", 0, "length")]
+    assert "".join(e[2] for e in events if e[0] == "delta" and e[1] == 0) == "5 6 7"
+    assert [e[2] for e in events if e[0] == "delta" and e[1] == 1] == [""]  # the stop token is not text
