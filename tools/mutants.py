@@ -47,7 +47,7 @@ MUTANTS = [
       "work = shm.all_reduce(segment, x, op)", "work = None",
       ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
     M("copy_to_tp_region's backward not reduced", "dist/mappings.py",
-      "return C.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None", "return _fresh(grad), None",
+      "return collectives.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None", "return _fresh(grad), None",
       ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
     M("ledger counts all-reduce bytes as an all-gather's", "architecture/ring.py",
       'factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}',

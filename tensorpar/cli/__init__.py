@@ -1,4 +1,4 @@
-"""`tensorpar run | verify | plan | bench | demo`: the only place that prints.
+"""`tensorpar run | train | verify | plan | bench | demo`: the only place that prints.
 
 Each sub-command lives in its own module with ``add_parser(subparsers)`` and ``main(args) -> int``.
 Errors a user can cause are raised as ``ValueError`` (or ``FileNotFoundError``) by the library and
@@ -9,12 +9,15 @@ each also prints ``{"ok": false, "error": ..., "exit_code": ...}`` on stdout.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import os
 import sys
 
-# Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py.
+from tensorpar import __version__
+from tensorpar.cli import bench, demo, plan, run, train, verify
+from tensorpar.cli.errors import fail, one_line
+
+# Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py, imported
+# above: its parser only (argparse, no torch, no numpy); it loads its job when it runs.
 SUBCOMMANDS = ("run", "train", "verify", "plan", "bench", "demo")
 
 
@@ -27,13 +30,10 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tensorpar", description="Tensor parallelism that states its costs, measures "
                      "them, and proves the split model computes the same function as the unsplit one.")
-    from tensorpar import __version__
-
     parser.add_argument("--version", action="version", version=f"tensorpar {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     for name in SUBCOMMANDS:
-        module = importlib.import_module(f"tensorpar.cli.{name}")
-        module.add_parser(sub)
+        globals()[name].add_parser(sub)  # the sub-command's module, imported above by the same name
     return parser
 
 
@@ -46,33 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        return _fail(args, _one_line(exc), 2)
+        return fail(args, one_line(exc), 2)
     except _launch_errors() as exc:  # a rank failed or the launch timed out: named, exit 1
         detail = str(exc).split("\n--- traceback on rank", 1)[0]
         wanted = os.environ.get("TENSORPAR_TRACEBACK") == "1"  # checked (0 or 1) before any rank started
         hint = "" if wanted else " (TENSORPAR_TRACEBACK=1 prints the rank's traceback)"
         if wanted:
             sys.stderr.write(getattr(exc, "remote_traceback", "") or "")
-        return _fail(args, _one_line(detail) + hint, 1)
+        return fail(args, one_line(detail) + hint, 1)
     except KeyboardInterrupt:
-        return _fail(args, "interrupted", 130)
-
-
-def _fail(args, message: str, code: int) -> int:
-    """One line on stderr; with ``--json``, also one JSON object on stdout (what a script parses)."""
-    sys.stderr.write(f"tensorpar {args.command}: error: {message}\n")
-    if getattr(args, "json", False):
-        print(json.dumps({"ok": False, "error": message, "exit_code": code}))
-    return code
+        return fail(args, "interrupted", 130)
 
 
 def _launch_errors() -> tuple:
     """The launcher's errors, without importing torch for commands that never launch."""
-    if "tensorpar.dist.launcher" not in sys.modules:
-        return ()
-    from tensorpar.dist.launcher import LaunchTimeoutError, RankFailedError
-    return (RankFailedError, LaunchTimeoutError)
+    launcher = sys.modules.get("tensorpar.dist.launcher")  # loaded by any command that launched ranks
+    return () if launcher is None else (launcher.RankFailedError, launcher.LaunchTimeoutError)
 
-
-def _one_line(exc) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

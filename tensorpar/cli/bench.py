@@ -5,6 +5,9 @@ import json
 import sys
 from pathlib import Path
 
+from tensorpar.bench import report
+from tensorpar.cli.progress import Phases
+
 SUITES = ("mlp", "models", "decode", "train")
 
 
@@ -36,10 +39,6 @@ def main(args) -> int:
     suites = _suites(args.suite)
     if args.repeats < 3:
         raise ValueError(f"--repeats {args.repeats}: need at least 3 rounds for a median")
-    from tensorpar.bench import report
-
-    from tensorpar.cli.progress import Phases
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with Phases(quiet=args.json) as phase:

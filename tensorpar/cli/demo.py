@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import sys
 
-from tensorpar.reference import run_mlp_demo
-
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -29,6 +27,8 @@ def add_parser(subparsers) -> None:
 
 
 def main(args) -> int:
+    from tensorpar.reference import run_mlp_demo  # numpy: loaded when the demo runs, not for --help
+
     result = run_mlp_demo(args.p, batch=args.batch, tokens=args.tokens, hidden=args.hidden,
                           ffn_mult=args.ffn_mult, seed=args.seed)
     if args.json:

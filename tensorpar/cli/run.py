@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from tensorpar.cli.progress import Phases, console, reporting_rank
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="split a real model over local ranks and prove it computes the same function")
@@ -66,7 +68,6 @@ def _stop_ids(texts: list | None):
 
 
 def main(args) -> int:
-    from tensorpar.cli.progress import Phases, reporting_rank
     from tensorpar.jobs.run import run
 
     with Phases(quiet=args.json) as phase:
@@ -94,8 +95,6 @@ def main(args) -> int:
 
 def _show(r) -> None:
     from rich.table import Table
-
-    from tensorpar.cli.progress import console
 
     con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}): split over {r.tp} processes ({r.backend}), "

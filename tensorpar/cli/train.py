@@ -1,8 +1,12 @@
 """`tensorpar train`: train a causal LM on a (dp, tp) mesh of local ranks, with checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+
+from tensorpar.cli.errors import fail
+from tensorpar.cli.progress import console, reporting_rank
 
 
 def add_parser(sub) -> None:
@@ -55,8 +59,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from tensorpar.cli import _fail
-    from tensorpar.cli.progress import reporting_rank
     from tensorpar.jobs.train import NonFiniteLossError, TrainConfig, train
 
     cfg = TrainConfig(model=args.model, tp=args.tp, dp=args.dp, sequence_parallel=args.sequence_parallel,
@@ -68,7 +70,7 @@ def main(args) -> int:
         with _Progress(quiet=args.json) as bar:
             report = train(cfg, on_event=bar.on_event if bar.live else None, phase=bar.phase)
     except NonFiniteLossError as exc:  # the run diverged: named, exit 1 like a failed rank
-        return _fail(args, str(exc), 1)
+        return fail(args, str(exc), 1)
     if not reporting_rank():  # under torchrun every process holds the report: rank 0 prints it
         return 0
     if args.json:
@@ -88,8 +90,6 @@ class _Progress:
     not a terminal, and on torchrun's processes other than rank 0 (as :class:`Phases`)."""
 
     def __init__(self, quiet: bool):
-        from tensorpar.cli.progress import reporting_rank
-
         self.live = not (quiet or not sys.stderr.isatty() or not reporting_rank())
         self._bar = self._task = None
         self._memory = ""
@@ -112,8 +112,6 @@ class _Progress:
         return False
 
     def phase(self, text: str):
-        import contextlib
-
         if self._bar is not None:
             self._bar.update(self._task, description=text)
         return contextlib.nullcontext()
@@ -138,8 +136,6 @@ class _Progress:
 
 def _show(r) -> None:
     from rich.table import Table
-
-    from tensorpar.cli.progress import console
 
     con, lay = console(), r.layout
     if r.generated_model:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from tensorpar.cli.progress import Phases, console, reporting_rank
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="compare the split and unsplit models layer by layer, forward and backward")
@@ -27,7 +29,6 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(args) -> int:
-    from tensorpar.cli.progress import Phases, reporting_rank
     from tensorpar.jobs.verify import verify
 
     with Phases(quiet=args.json) as phase:
@@ -50,7 +51,6 @@ def _show(r) -> None:
     from rich.table import Table
 
     from tensorpar.jobs.verify import rounding_factor
-    from tensorpar.cli.progress import console
 
     con = console()
     con.print(f"[bold]{r.model}[/] ({r.family}, {r.dtype}, batch {r.batch} x {r.seq} tokens)")

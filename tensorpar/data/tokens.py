@@ -12,10 +12,15 @@ read there.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import stat
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tensorpar.data.corpus import CORPUS
 
 _CHUNK = 1 << 22  # ids checked per read of a memory-mapped file
 
@@ -45,8 +50,6 @@ class TokenStream:
     def fingerprint(self) -> str:
         """``length:sha256`` of the first and last 65,536 token ids (int64): what a resumed run
         compares to know it reads the same tokens, without hashing a large dataset whole."""
-        import hashlib
-
         n, k = len(self), 65536
         h = hashlib.sha256()
         for start in sorted({0, max(0, n - k)}):
@@ -95,8 +98,6 @@ def open_tokens(data, vocab_size: int, model_dir) -> TokenStream:
 def _check_regular(path: Path, what: str) -> None:
     """A regular file (or a link to one): a named pipe, a device or a socket would be read forever
     or block waiting for a writer."""
-    import stat
-
     mode = path.stat().st_mode
     if not stat.S_ISREG(mode):
         kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
@@ -125,8 +126,6 @@ def _packaged(vocab_size: int, model_dir: Path) -> TokenStream:
     """The packaged corpus, tokenized like a text file; a model with neither a tokenizer nor 256
     ids gets its bytes folded into the vocabulary (``byte % vocab_size``): a deterministic stream
     with the text's structure, for a demonstration."""
-    from tensorpar.data.corpus import CORPUS
-
     if has_tokenizer(model_dir) or vocab_size >= 256:
         ids, how = _tokenize(CORPUS, vocab_size, model_dir, "the packaged corpus")
         _check_ids(ids, vocab_size, f"the packaged corpus tokenized with {how}")
@@ -153,8 +152,6 @@ _TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def _tokenizer(model_dir: Path):
     """The model's tokenizer; a file of it that does not parse is named (transformers' own errors
     are a bare parser message or a KeyError that say neither which file nor which folder)."""
-    import json
-
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

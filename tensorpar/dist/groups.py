@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.distributed as tdist
 
-from tensorpar.dist import flight
+from tensorpar.dist import flight, shm
 
 
 def is_initialized() -> bool:
@@ -102,7 +102,6 @@ def new_group(ranks: list[int], backend: str | None = None):
         raise ValueError(f"ranks {ranks} must be distinct global ranks in [0, {world}); invalid: {bad}")
     if backend not in (None, "shm", "gloo"):
         raise ValueError(f"backend {backend!r} is not supported for a sub-group; valid: None (the world's), shm, gloo")
-    from tensorpar.dist import shm
     return tdist.new_group(ranks=sorted(ranks), backend=shm.BACKEND if backend == "shm" else backend)
 
 

@@ -43,6 +43,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as tdist
@@ -123,8 +124,6 @@ def _context():
     (``HF_HUB_OFFLINE``, thread counts) must be what the launcher has now. Each rank still gets the launcher's whole environment at start."""
     if settings.start_method() == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    from multiprocessing import forkserver
-
     ctx = mp.get_context("forkserver")
     key = sorted((k, v) for k, v in os.environ.items()
                  if not k.startswith("TENSORPAR_") and k not in _NOT_READ_AT_IMPORT)

@@ -29,7 +29,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from tensorpar.dist import collectives as C
+from tensorpar.dist import collectives
 from tensorpar.dist.ledger import active_ledger, ledger_for_backward
 
 
@@ -58,11 +58,11 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None
+        return collectives.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None
 
 
 class _ScatterToRegion(torch.autograd.Function):
-    run = staticmethod(lambda x, group, dim: C.split_own(x, dim, group))
+    run = staticmethod(lambda x, group, dim: collectives.split_own(x, dim, group))
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -71,11 +71,11 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
+        return collectives.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
-    run = staticmethod(lambda x, group, dim: C.all_gather(x, dim, group))
+    run = staticmethod(lambda x, group, dim: collectives.all_gather(x, dim, group))
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -84,11 +84,11 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.split_own(grad, ctx.dim, ctx.group), None, None
+        return collectives.split_own(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherSequence(torch.autograd.Function):
-    run = staticmethod(lambda x, group, dim: C.all_gather(x, dim, group))  # (B, T/p, H) -> (B, T, H)
+    run = staticmethod(lambda x, group, dim: collectives.all_gather(x, dim, group))  # (B, T/p, H) -> (B, T, H)
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -97,12 +97,12 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.reduce_scatter(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
+        return collectives.reduce_scatter(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     # (B, T, H) partial -> (B, T/p, H) summed
-    run = staticmethod(lambda x, group, dim: C.reduce_scatter(x, dim, group))
+    run = staticmethod(lambda x, group, dim: collectives.reduce_scatter(x, dim, group))
 
     @staticmethod
     def forward(ctx, x, group, dim):
@@ -111,7 +111,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
+        return collectives.all_gather(grad, ctx.dim, ctx.group, **_bwd(ctx)), None, None
 
 
 class _LinearGradAllReduce(torch.autograd.Function):
@@ -141,7 +141,7 @@ class _LinearGradAllReduce(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight)  # (..., out/p) @ (out/p, in) -> (..., in): this rank's partial dX
-        work = C.all_reduce(dx, ctx.group, async_op=True, **_bwd(ctx))  # in flight from here
+        work = collectives.all_reduce(dx, ctx.group, async_op=True, **_bwd(ctx))  # in flight from here
         dy2 = dy.reshape(-1, dy.shape[-1])  # (T, out/p)
         dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None  # (out/p, in)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None  # (out/p,)
@@ -158,7 +158,7 @@ def linear_with_grad_allreduce(x: torch.Tensor, weight: torch.Tensor, bias: torc
     Falls back to the plain composition where the fused backward does not apply: no gradient
     for ``x``, a group of one, or autocast on (whose casts the plain ``F.linear`` handles).
     """
-    if (C.group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad)
+    if (collectives.group_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad)
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(copy_to_tp_region(x, group), weight, bias)
     _check_reverse_mode(x, "linear_with_grad_allreduce")
@@ -191,7 +191,7 @@ def _apply(op, x: torch.Tensor, group, *args) -> torch.Tensor:
     without the autograd Function's bookkeeping (about 20 us a call, measured; it dominates a
     decode step at small sizes).
     """
-    if C.group_size(group) == 1:
+    if collectives.group_size(group) == 1:
         return x
     _check_reverse_mode(x, op.__name__)
     if torch.is_grad_enabled() and x.requires_grad:
@@ -217,12 +217,12 @@ def reduce_from_tp_region(x: torch.Tensor, group=None, *, in_place: bool = False
     unchanged, the identity the operator needs. Should an autograd node have saved ``x``, its
     backward fails loudly on the changed version counter; nothing is silently wrong.
     """
-    if C.group_size(group) == 1:
+    if collectives.group_size(group) == 1:
         return x
     _check_reverse_mode(x, "reduce_from_tp_region")
     y = x if in_place else _fresh(x)  # (..., h) partial sums; a clone's backward is the identity
     with torch.no_grad():
-        C.all_reduce(y, group)  # -> full sum, in place
+        collectives.all_reduce(y, group)  # -> full sum, in place
     return y
 
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from multiprocessing.reduction import ForkingPickler
 
 from tensorpar.dist import settings
+from tensorpar.dist.rendezvous import check_torchrun_env, under_torchrun
 
 # Ranks per CPU core a machine is allowed: each rank runs one compute thread (OMP_NUM_THREADS=1);
 # at 4 per core a rank still gets a quarter of a core, enough to answer its peers and its
@@ -43,8 +45,6 @@ def check_launch(fn, world_size, timeout, deadline) -> None:
 def check_world(world_size) -> None:
     """The world of a launch of ``world_size`` ranks: the ``TENSORPAR_*`` variables, then
     torchrun's variables if they describe a job, else this machine's room for local ranks."""
-    from tensorpar.dist.rendezvous import check_torchrun_env, under_torchrun
-
     _check_positive(world_size)
     settings.check_all()
     if under_torchrun():
@@ -151,7 +151,6 @@ def check_fn(fn) -> None:
     if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
         raise ValueError(f"fn {name!r} is defined in an interactive session or `python -c` (its __main__ has no "
                          f"file): the spawned ranks cannot import it; define it in a module file and import it")
-    from multiprocessing.reduction import ForkingPickler
     try:
         ForkingPickler.dumps(fn)
     except Exception as exc:  # noqa: BLE001 - whatever pickling raises, the ranks could not get fn

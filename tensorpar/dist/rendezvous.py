@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -126,7 +127,6 @@ _RDZV_PREFIX = "tensorpar-rdzv-"
 def _sweep_stale_rendezvous() -> None:
     """Remove the rendezvous folders of launchers that died without cleaning up (SIGKILL): each
     folder's name carries its launcher's pid; a folder whose pid is gone is stale."""
-    import shutil
     sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))
 
 _INIT_ATTEMPTS = 3

@@ -1,0 +1,29 @@
+"""Mutants of the import graph's rules and the CLI's light start (issue 21, area graph)."""
+import sys
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).parent))
+from mutants import Mutant as M  # noqa: E402
+
+G = "tests/test_import_graph.py"
+MUTANTS = [
+    M("graph: a command's parser imports its torch job at module level", "cli/verify.py",
+      "from tensorpar.cli.progress import Phases, console, reporting_rank",
+      "from tensorpar.cli.progress import Phases, console, reporting_rank; from tensorpar.jobs.verify import verify",
+      (G, "-k", "starts_without_torch")),
+    M("graph: the demo's parser loads numpy for --help", "cli/demo.py",
+      "import sys", "import sys; from tensorpar.reference import run_mlp_demo  # noqa: F401",
+      (G, "-k", "starts_without_torch")),
+    M("graph: an import between tensorpar modules hidden in a function", "dist/groups.py",
+      "return tdist.new_group(ranks=sorted(ranks), backend=shm.BACKEND if backend == \"shm\" else backend)",
+      "from tensorpar.dist import shm; return tdist.new_group(ranks=sorted(ranks), "
+      "backend=shm.BACKEND if backend == \"shm\" else backend)",
+      (G, "-k", "deferred")),
+    M("graph: a module cycle closed inside a function", "dist/rendezvous.py",
+      "sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))",
+      "from tensorpar.dist import launcher; sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, "
+      "lambda path: shutil.rmtree(path, ignore_errors=True))",
+      (G, "-k", "module")),
+    M("graph: a stdlib import deferred into a function", "data/tokens.py",
+      "mode = path.stat().st_mode", "import stat; mode = path.stat().st_mode",
+      (G, "-k", "deferred")),
+]
