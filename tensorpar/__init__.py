@@ -15,7 +15,7 @@ _LAZY = {
     "mlp_tensor_parallel": "tensorpar.reference",
     "shard_bytes": "tensorpar.reference",
     "ring_allreduce_bytes": "tensorpar.reference",
-    "parallelize": "tensorpar.sharding.apply",
+    "parallelize": "tensorpar.sharding.pipeline",
     "audit": "tensorpar.sharding.audit",
     "save": "tensorpar.models.saving",
     "load": "tensorpar.models.saving",

@@ -1,4 +1,4 @@
-"""``tensorpar.parallelize`` (the implementation lives in :mod:`tensorpar.sharding.apply`)."""
-from tensorpar.sharding.apply import parallelize
+"""``tensorpar.parallelize`` (the implementation lives in :mod:`tensorpar.sharding.pipeline`)."""
+from tensorpar.sharding.pipeline import parallelize
 
 __all__ = ["parallelize"]

