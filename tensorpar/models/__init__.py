@@ -18,7 +18,7 @@ _LAZY = {
     "ARCHS": "tensorpar.architecture.registry", "model_dims": "tensorpar.sharding.sizes",
     "check_feasibility": "tensorpar.sharding.check",
     "FeasibilityReport": "tensorpar.architecture.tp_rules",
-    "ParallelizeReport": "tensorpar.sharding.report",
+    "ParallelizeReport": "tensorpar.sharding.parallelize_report",
     "load_sharded": "tensorpar.models.checkpoint", "LoadReport": "tensorpar.models.checkpoint",
     "generate": "tensorpar.models.generation",
     "train_step": "tensorpar.models.training", "causal_lm_loss": "tensorpar.models.training",

@@ -14,7 +14,7 @@
 - :mod:`.styles` (:mod:`.param_styles`, :mod:`.spec`): every style a plan can name, with its builder;
 - :mod:`.probes`, :mod:`.verdicts`: how the proof runs a model and judges a split;
 - :mod:`.sequence`: sequence parallelism on a split model; :mod:`.audit`: replicas compared
-  across ranks; :mod:`.report`: what was done (``model.tp_report``);
+  across ranks; :mod:`.parallelize_report`: what was done (``model.tp_report``);
 - :mod:`.inventory`: what a resolved plan costs, per layer and collective, for the planner.
 
 What tensorpar knows about each architecture is data in ``tensorpar.architecture``. Importing

@@ -41,7 +41,7 @@ from tensorpar.sharding.declare import declare
 from tensorpar.sharding.place import place
 from tensorpar.sharding.prove import TOLERANCE, Evidence
 from tensorpar.sharding.replica import replica_of
-from tensorpar.sharding.report import ParallelizeReport
+from tensorpar.sharding.parallelize_report import ParallelizeReport
 from tensorpar.sharding.resolve import resolve
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, ReplicatedHeadLinear)
