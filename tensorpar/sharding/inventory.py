@@ -89,7 +89,7 @@ def _meta_model(config, head: bool):
 
 
 def _split(model, tp: int, rank: int):
-    from tensorpar.sharding.apply import parallelize
+    from tensorpar.sharding.pipeline import parallelize
     out = copy.deepcopy(model)
     parallelize(out, tp_group=PlanningGroup(tp, rank), prove=False)
     return out
