@@ -69,7 +69,7 @@ PLANNER_PENDING: frozenset = frozenset({
     'deferred import tensorpar.planner.models -> tensorpar.planner.hfconfig',
     'deferred import tensorpar.sharding.inventory -> tensorpar.models.testing',
     'deferred import tensorpar.sharding.inventory -> tensorpar.planner.runtime',
-    'deferred import tensorpar.sharding.inventory -> tensorpar.sharding.apply',
+    'deferred import tensorpar.sharding.inventory -> tensorpar.sharding.pipeline',
     'module cycle: tensorpar.cli.plan, tensorpar.cli.plan_inventory',
     'module cycle: tensorpar.planner.hfconfig, tensorpar.planner.models',
     'package cycle: models, sharding',
