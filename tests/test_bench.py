@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tensorpar.bench.mlp import run_mlp_bench
-from tensorpar.bench.report import mlp_table, models_table, plot_model_ratios
+from tensorpar.bench.summary import mlp_table, models_table, plot_model_ratios
 from tensorpar.bench.timing import paired_ratio
 
 
@@ -158,7 +158,7 @@ def test_train_guard_refuses_a_variant_that_computes_another_step():
 
 @pytest.mark.multirank
 def test_train_bench_times_every_variant_after_the_losses_agree():
-    from tensorpar.bench.report import train_table
+    from tensorpar.bench.summary import train_table
     from tensorpar.bench.train import CHECKPOINTS, QUICK, VARIANTS, run_train_bench
 
     rows = run_train_bench(3, **QUICK)

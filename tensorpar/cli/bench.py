@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-from tensorpar.bench import report
+from tensorpar.bench import summary
 from tensorpar.cli.progress import Phases
 
 SUITES = ("mlp", "models", "decode", "train")
@@ -42,7 +42,7 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with Phases(quiet=args.json) as phase:
-        results, tables, files = _run(args, suites, out, report, phase)
+        results, tables, files = _run(args, suites, out, phase)
     if args.json:
         print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
         return 0
@@ -52,7 +52,7 @@ def main(args) -> int:
     return 0
 
 
-def _run(args, suites, out, report, phase):
+def _run(args, suites, out, phase):
     results, tables, files = {}, {}, []
     if "mlp" in suites:
         from tensorpar.bench.mlp import DEFAULT_SIZES, run_mlp_bench
@@ -60,9 +60,9 @@ def _run(args, suites, out, report, phase):
         sizes = DEFAULT_SIZES[:2] if args.quick else DEFAULT_SIZES
         with phase(f"MLP suite: {len(sizes)} sizes x (fwd, fwd+bwd), tp=2"):
             rows = run_mlp_bench(sizes, args.repeats)
-        results["mlp"], tables["mlp"] = rows, report.mlp_table(rows)
+        results["mlp"], tables["mlp"] = rows, summary.mlp_table(rows)
         (out / "mlp.md").write_text(tables["mlp"])
-        files += [out / "mlp.md", report.plot_ratios(rows, out / "mlp.png", {
+        files += [out / "mlp.md", summary.plot_ratios(rows, out / "mlp.png", {
             "tensorpar_vs_torch_tp": "tensorpar / PyTorch TP", "tensorpar_vs_floor": "tensorpar / floor",
             "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"}, "TP MLP, tp=2")]
     if "models" in suites:
@@ -70,9 +70,9 @@ def _run(args, suites, out, report, phase):
 
         with phase("models suite: against HF tp_plan and unsplit, tp=2"):
             rows = run_models_bench(args.repeats, **(QUICK if args.quick else {}))
-        results["models"], tables["models"] = rows, report.models_table(rows)
+        results["models"], tables["models"] = rows, summary.models_table(rows)
         (out / "models.md").write_text(tables["models"])
-        files += [out / "models.md", report.plot_model_ratios(rows, out / "models.png", {
+        files += [out / "models.md", summary.plot_model_ratios(rows, out / "models.png", {
             "tensorpar_vs_hf_tp": "tensorpar / HF tp_plan=auto", "tensorpar_vs_dense_2t": "tensorpar / dense (2 threads)"},
             "models, tp=2")]
     if "decode" in suites:
@@ -81,7 +81,7 @@ def _run(args, suites, out, report, phase):
 
         with phase("decode suite: per token, shared memory / gloo / HF tp_plan / unsplit, tp=2"):
             rows = run_decode_bench(args.repeats, **(DECODE_QUICK if args.quick else {}))
-        results["decode"], tables["decode"] = rows, report.decode_table(rows)
+        results["decode"], tables["decode"] = rows, summary.decode_table(rows)
         (out / "decode.md").write_text(tables["decode"])
         files.append(out / "decode.md")
     if "train" in suites:
@@ -90,8 +90,8 @@ def _run(args, suites, out, report, phase):
 
         with phase("train suite: a training step at dp 2 and tp 2 against FSDP2 and DTensor TP; checkpoints"):
             rows = run_train_bench(args.repeats, **(TRAIN_QUICK if args.quick else {}))
-        results["train"], tables["train"] = rows, report.train_table(rows)
+        results["train"], tables["train"] = rows, summary.train_table(rows)
         (out / "train.md").write_text(tables["train"])
         files.append(out / "train.md")
-    files.append(report.write_json(results, out / "results.json"))
+    files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
