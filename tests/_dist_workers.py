@@ -477,7 +477,7 @@ def group_timeouts():
     torch's new_group, init_device_mesh's dimensions, new_subgroups), and what a launch from
     inside a rank says."""
     import torch.distributed as tdist
-    from tensorpar.dist import mesh as tp_mesh
+    from tensorpar.dist import dp_engines
 
     r = dist.get_rank()
     pairs = [[0, 1], [2, 3]]
@@ -487,7 +487,7 @@ def group_timeouts():
                        ("torch new_group", lambda ranks: tdist.new_group(ranks)),
                        ("torch new_group gloo", lambda ranks: tdist.new_group(ranks, backend="gloo"))):
         kinds[name] = [make(ranks) for ranks in pairs][r // 2]  # every rank makes every group
-    device_mesh = tp_mesh.init_mesh(2, 2)
+    device_mesh = dp_engines.init_mesh(2, 2)
     kinds["mesh dp"], kinds["mesh tp"] = device_mesh["dp"].get_group(), device_mesh["tp"].get_group()
     kinds["new_subgroups"] = tdist.new_subgroups(2)[0]
     try:
@@ -511,10 +511,10 @@ def _write_pid(directory) -> None:
 def mesh_peer_never_comes_worker(directory):
     """dp 2 x tp 2: rank 0 all-reduces on its tp group ([0, 1]); rank 1 never comes. The tp group
     is init_device_mesh's: it waits the launch's timeout, not torch's 30-minute default."""
-    from tensorpar.dist import mesh as tp_mesh
+    from tensorpar.dist import dp_engines
 
     _write_pid(directory)
-    tp_group = tp_mesh.init_mesh(2, 2)["tp"].get_group()
+    tp_group = dp_engines.init_mesh(2, 2)["tp"].get_group()
     if dist.get_rank() == 1:
         time.sleep(300)
     if dist.get_rank() == 0:

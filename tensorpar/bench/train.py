@@ -46,7 +46,7 @@ from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio
 from tensorpar.dist import baselines
-from tensorpar.dist.mesh import init_mesh
+from tensorpar.dist.dp_engines import init_mesh
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.models.training import train_step

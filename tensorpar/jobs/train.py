@@ -38,7 +38,7 @@ import torch
 from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.data import batch_for_step, open_tokens
-from tensorpar.dist import mesh as data_mesh
+from tensorpar.dist import dp_engines
 from tensorpar.jobs import train_checks as checks
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers, vocab_size)
@@ -243,7 +243,7 @@ def _step(model, opt, ids, step: int, spec: dict, dp_group) -> dict:
 def _build(spec: dict, device: torch.device):
     """The checkpoint's dense model split on the ``(dp, tp)`` mesh, and AdamW over its parameters."""
     quiet_transformers()
-    mesh = data_mesh.init_mesh(spec["dp"], spec["tp"], device.type)
+    mesh = dp_engines.init_mesh(spec["dp"], spec["tp"], device.type)
     model = dense_model(spec["path"], DTYPES[spec["dtype"]]).to(device)
     model = parallelize(model, mesh=mesh, data_parallel=spec["data_parallel"],
                         sequence_parallel=spec["sequence_parallel"]).train()

@@ -31,7 +31,7 @@ from torch import nn
 
 from tensorpar import dist
 from tensorpar.architecture.plans import generic
-from tensorpar.dist import mesh as data_mesh
+from tensorpar.dist import dp_engines
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
 from tensorpar.sharding import marks, probes, sequence
@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` instead of ``tp_group``: tensor
     parallelism inside ``mesh["tp"]``, data parallelism across ``mesh["dp"]`` by PyTorch's own
     engines, ``data_parallel="ddp"`` (replicated, ZeRO-0) or ``"fsdp"`` (FSDP2, ZeRO-3); see
-    :mod:`tensorpar.dist.mesh`. Each dp rank then trains on its own slice of the batch.
+    :mod:`tensorpar.dist.dp_engines`. Each dp rank then trains on its own slice of the batch.
 
     ``sequence_parallel=True``: between the regions of each block (norms, residuals, dropout)
     every rank holds only its chunk of the sequence, all-gathered into each region and
@@ -75,9 +75,9 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     _check_dense(model)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    data_mesh.check_args(mesh, tp_group, data_parallel)
+    dp_engines.check_args(mesh, tp_group, data_parallel)
     if mesh is not None:
-        tp_group = data_mesh.tp_group_of(mesh)
+        tp_group = dp_engines.tp_group_of(mesh)
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
     params_total = sum(p.numel() for p in model.parameters())
     on_meta = any(p.is_meta for p in model.parameters())
@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
                                            else tp_size == 1)
     if data_parallel is not None:
         try:
-            data_mesh.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
+            dp_engines.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
         except BaseException:  # exactly or not at all: the split undone too
             undo.revert()
             del model.tp_report
