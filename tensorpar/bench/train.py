@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from tensorpar import dist
 from tensorpar.apply import parallelize
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio
-from tensorpar.dist import baselines
+from tensorpar.dist import pytorch_parallel
 from tensorpar.dist.dp_engines import init_mesh
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_checkpoint
@@ -92,9 +92,10 @@ def _torch_step(model, opt, ids, loss_context, exact_norm: bool = False):
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
         exact = _norm_f64(model) if exact_norm else None
-        norm = baselines.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = pytorch_parallel.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
-        return {"loss": float(baselines.full_value(loss.detach())), "grad_norm": float(norm), "grad_norm_f64": exact}
+        return {"loss": float(pytorch_parallel.full_value(loss.detach())), "grad_norm": float(norm),
+                "grad_norm_f64": exact}
     return step
 
 
@@ -126,15 +127,15 @@ def build(dense, ids) -> dict:
         opt = _adamw(model)
         out[f"tp_dp2_{kind}"] = (model, opt, _tensorpar_step(model, opt, _half(ids)))
     model = copy.deepcopy(dense)
-    baselines.fsdp2(model, model.model.layers, 2)
+    pytorch_parallel.fsdp2(model, model.model.layers, 2)
     opt = _adamw(model)
     out["torch_fsdp2_dp2"] = (model, opt, _torch_step(model, opt, _half(ids), contextlib.nullcontext))
     model = parallelize(copy.deepcopy(dense)).train()
     opt = _adamw(model)
     out["tp_tp2"] = (model, opt, _tensorpar_step(model, opt, ids))
-    model = baselines.dtensor_tp(copy.deepcopy(dense), TORCHTITAN_LLAMA, 2)
+    model = pytorch_parallel.dtensor_tp(copy.deepcopy(dense), TORCHTITAN_LLAMA, 2)
     opt = _adamw(model)
-    out["torch_dtensor_tp2"] = (model, opt, _torch_step(model, opt, ids, baselines.loss_parallel))
+    out["torch_dtensor_tp2"] = (model, opt, _torch_step(model, opt, ids, pytorch_parallel.loss_parallel))
     opt = _adamw(dense)
     out["dense_2t"] = (dense, opt, _torch_step(dense, opt, ids, contextlib.nullcontext))  # run on rank 0 only
     return out
@@ -203,7 +204,7 @@ def _transports(model) -> list:
     """How the groups the variant's collectives run in move bytes (``"shm"``, ``"gloo"``)."""
     report = getattr(model, "tp_report", None)
     if report is None:
-        groups = baselines.mesh_groups(model)
+        groups = pytorch_parallel.mesh_groups(model)
     else:  # a tp_group of None is the world
         groups = [g for g, size in ((report.dp_group, report.dp_size), (report.tp_group, report.tp_size)) if size > 1]
     return sorted({dist.transport(g) for g in groups})
@@ -212,7 +213,7 @@ def _transports(model) -> list:
 def _held(model, opt) -> list:
     """This rank's pieces of every parameter and optimizer state (views of their storage)."""
     states = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    return [baselines.local(t) for t in (*model.parameters(), *states)]
+    return [pytorch_parallel.local(t) for t in (*model.parameters(), *states)]
 
 
 def _written(folder: Path) -> int:
@@ -233,14 +234,14 @@ class _Checkpointer:
         if self.impl == "tensorpar":
             self.folder = saving.save(self.model, self.opt, target, step=2)
         else:
-            baselines.dcp_save(self.model, self.opt, target)
+            pytorch_parallel.dcp_save(self.model, self.opt, target)
             self.folder = target
 
     def load(self):
         if self.impl == "tensorpar":
             saving.load(self.model, self.opt, self.folder)
         else:
-            baselines.dcp_load(self.model, self.opt, self.folder)
+            pytorch_parallel.dcp_load(self.model, self.opt, self.folder)
 
     @torch.no_grad()
     def check_load(self) -> bool:
