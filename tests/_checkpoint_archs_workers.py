@@ -12,7 +12,7 @@ import torch
 from tensorpar import dist
 from tests._models_checkpoint_workers import _load_logged
 
-VOCAB = 130  # of every tiny config (tensorpar.architecture.tiny)
+VOCAB = 130  # of every tiny config (tensorpar.architecture.tiny_sizes)
 
 
 def _dense(path):

@@ -11,7 +11,7 @@ package may read it, it reads none. One table per fact:
 - :mod:`.tp_rules`: which tp sizes split a model and why (heads, KV heads, padding), what each
   rank holds;
 - :mod:`.ring`: the bytes each rank sends in a collective (the ring formulas);
-- :mod:`.tiny`: tiny-model sizes and the benchmark's model recipes.
+- :mod:`.tiny_sizes`: tiny-model sizes and the benchmark's model recipes.
 
 Nothing is imported here: ``import tensorpar.architecture.ring`` loads only that module.
 """

@@ -18,14 +18,14 @@ How a plan is chosen for a model (``tensorpar.sharding.resolve``):
 3. otherwise column -> row pairs found and checked numerically (``tensorpar.sharding.discover``).
 
 Adding an architecture is one :class:`Arch` entry, or nothing when the model declares its plan
-and its tiny model builds from the generic sizes (``tensorpar.architecture.tiny``).
+and its tiny model builds from the generic sizes (``tensorpar.architecture.tiny_sizes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tensorpar.architecture.plans import Unit, plan_of_units
-from tensorpar.architecture.tiny import OMIT
+from tensorpar.architecture.tiny_sizes import OMIT
 
 # Attributes an attention module may hold its head counts in, and what each one counts. A
 # module's attributes of these names are set to their per-rank values when its heads are split.
@@ -65,8 +65,8 @@ class Arch:
     - ``no_sync``: replicated parameters inside a region whose gradient is whole on every rank
       already (they act after the region's reduction): not all-reduced.
     - ``tiny``: what its tiny model needs besides the generic sizes of
-      :mod:`tensorpar.architecture.tiny` (sizes its validators insist on, fields whose generic
-      value does not fit it; :data:`~tensorpar.architecture.tiny.OMIT`: leave the field to the
+      :mod:`tensorpar.architecture.tiny_sizes` (sizes its validators insist on, fields whose generic
+      value does not fit it; :data:`~tensorpar.architecture.tiny_sizes.OMIT`: leave the field to the
       config's own rule); with ``tiny_only``, every size of its tiny model, the generic ones unused.
     - ``lean``: the prefix of its transformers classes (``"Llama"``) where the lean decode path
       (``tensorpar.models.lean``) takes it, else None.

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.architecture.tiny import BENCH_LLAMA
+from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.generation import generate

@@ -2,10 +2,10 @@
 
 The models (:data:`MODELS`), each written as a random safetensors checkpoint:
 
-- ``llama``: :data:`~tensorpar.architecture.tiny.BENCH_LLAMA`, dense MLPs, GQA attention;
-- ``mixtral``: :data:`~tensorpar.architecture.tiny.BENCH_MIXTRAL`, a mixture of experts (8
+- ``llama``: :data:`~tensorpar.architecture.tiny_sizes.BENCH_LLAMA`, dense MLPs, GQA attention;
+- ``mixtral``: :data:`~tensorpar.architecture.tiny_sizes.BENCH_MIXTRAL`, a mixture of experts (8
   experts, top-2) in every layer;
-- ``phi3``: :data:`~tensorpar.architecture.tiny.BENCH_PHI3`, BENCH_LLAMA's sizes with Phi-3's
+- ``phi3``: :data:`~tensorpar.architecture.tiny_sizes.BENCH_PHI3`, BENCH_LLAMA's sizes with Phi-3's
   fused ``qkv_proj`` and ``gate_up_proj``.
 
 Variants, per model and pass, interleaved round by round (the order rotating), each timed on the
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from tensorpar import dist
-from tensorpar.architecture.tiny import BENCH_LLAMA, BENCH_MIXTRAL, BENCH_PHI3
+from tensorpar.architecture.tiny_sizes import BENCH_LLAMA, BENCH_MIXTRAL, BENCH_PHI3
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio, wait_ready
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.tiny import make_tiny_checkpoint

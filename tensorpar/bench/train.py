@@ -50,7 +50,7 @@ from tensorpar.dist.dp_engines import init_mesh
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.models.training import train_step
-from tensorpar.architecture.tiny import BENCH_LLAMA
+from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 
 BATCH, SEQ = 4, 128  # the global batch, 512 tokens: a step takes ~1-1.5 s on this machine's 2 cores
 MAX_NORM, LR, TOL = 1.0, 3e-4, 1e-5

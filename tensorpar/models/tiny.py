@@ -2,12 +2,12 @@
 
 ``make_tiny_config(arch)`` (:mod:`tensorpar.sharding.replica`) takes the transformers
 configuration class of ``arch`` (a ``model_type``: ``"llama"``, ``"mixtral"``, ``"phi3"``, ...)
-and shrinks every size field it has to a few dozen units (``tensorpar.architecture.tiny``:
+and shrinks every size field it has to a few dozen units (``tensorpar.architecture.tiny_sizes``:
 hidden 64, 4 query heads over 2 KV heads of 16, ffn 128, 2 layers, vocabulary 130, 4 experts of
 width 32 where the model has experts, dropout off; the registry entry's own sizes on top).
 :func:`make_tiny_model` builds a random model from it, :func:`make_tiny_checkpoint` saves one.
 
-Used by the tests (tiny float64 models), the benchmarks (``tensorpar.architecture.tiny.BENCH_LLAMA``,
+Used by the tests (tiny float64 models), the benchmarks (``tensorpar.architecture.tiny_sizes.BENCH_LLAMA``,
 about 25M parameters) and ``tensorpar train``'s default model. Dropout is off, so the dense and
 sharded models compute the same function in training too. The same ``seed`` gives the same
 weights on every rank.

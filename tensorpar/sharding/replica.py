@@ -11,7 +11,7 @@ random float64 weights drawn from one seed on every rank. A configuration that c
 is refused with the reason.
 
 :func:`make_tiny_config` is the tiny configuration of a model type (``tensorpar.models.tiny``
-builds models and checkpoints from it); the sizes are ``tensorpar.architecture.tiny``'s and the
+builds models and checkpoints from it); the sizes are ``tensorpar.architecture.tiny_sizes``'s and the
 registry entry's (``Arch.tiny``).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from tensorpar.architecture import registry
 from tensorpar.architecture.layer_kinds import layer_layout
-from tensorpar.architecture.tiny import DROPOUT_WORDS, OMIT, REPLICA_SEED, TOKENS, replica_kv_heads, sizes_for
+from tensorpar.architecture.tiny_sizes import DROPOUT_WORDS, OMIT, REPLICA_SEED, TOKENS, replica_kv_heads, sizes_for
 from tensorpar.sharding.model_classes import config_class, eager_experts
 from tensorpar.sharding.sizes import model_dims
 
@@ -48,7 +48,7 @@ def _layout(cls, layout_of) -> dict:
 
 def make_tiny_config(arch: str, *, tp: int = 1, layout_of=None, **sizes):
     """A transformers config of ``arch`` with tiny sizes (split by ``tp`` ranks, see
-    :func:`~tensorpar.architecture.tiny.sizes_for`), dropout off, overridden by ``sizes``; as many
+    :func:`~tensorpar.architecture.tiny_sizes.sizes_for`), dropout off, overridden by ``sizes``; as many
     layers as it takes to hold every kind of layer (attention, dense or expert MLP) that
     ``layout_of`` (default: the architecture's full-size configuration) has."""
     cls = config_class(arch)
@@ -96,7 +96,7 @@ def tiny_like(config, tp: int):
 
 def replica_of(model, tp: int):
     """A float64 replica of ``model`` (on the meta device) at the tiny sizes for ``tp``, in eval
-    mode, its weights drawn from :data:`~tensorpar.architecture.tiny.REPLICA_SEED` (the same on
+    mode, its weights drawn from :data:`~tensorpar.architecture.tiny_sizes.REPLICA_SEED` (the same on
     every rank); ValueError when ``model`` has no transformers config or the replica does not build."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
