@@ -258,6 +258,9 @@ def train_rank_stopped():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             return "hang", "tensorpar train still running 60 s after a rank was stopped"
+        except TimeoutError:  # the harness found no ranks: the job must not outlive the case
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
         took = time.monotonic() - t0
     lines = [ln for ln in err.splitlines() if ln.strip()]
     detail = f"rc {proc.returncode} after {took:.1f}s: {err.strip()[:160]}"
@@ -269,14 +272,25 @@ def train_rank_stopped():
 
 
 def _wait_for_ranks(pid: int, n: int, bound: float) -> list[int]:
+    """The local ranks under the launcher ``pid``: children of its fork server (a forked rank keeps
+    the server's command line, so it is told by its parent, not its name) or spawned interpreters."""
     t_end = time.monotonic() + bound
     while time.monotonic() < t_end:
-        kids = [p for p in _descendants(pid) if "multiprocessing" in _cmdline(p) and "resource_tracker" not in
-                _cmdline(p) and "forkserver" not in _cmdline(p)]
+        tree = _descendants(pid)
+        servers = {p for p in tree if "multiprocessing.forkserver" in _cmdline(p) and _parent(p) == pid}
+        kids = [p for p in tree if _parent(p) in servers or "spawn_main" in _cmdline(p)]
         if len(kids) >= n:
             return sorted(kids)
         time.sleep(0.5)
     raise TimeoutError(f"{n} ranks did not start within {bound} s")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().split(")")[-1].split()[1])
+    except OSError:
+        return None
 
 
 def _descendants(root: int) -> list[int]:
