@@ -33,6 +33,8 @@ coverage: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TENSORPAR_MATRIX=all TENSORPAR_COVERAGE=bench/out/coverage.json \
 	  $(VPY) -m pytest tests/test_models_matrix.py -q; rc=$$?; \
 	  $(VPY) -m tensorpar.cli.coverage bench/out/coverage.json docs/coverage.md && exit $$rc
+	# the planner: plan --search of every architecture's full-size default config (16 A100-80GB)
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TENSORPAR_PLANNER_COVERAGE=all $(VPY) -m pytest tests/test_planner_coverage.py -q
 
 # Deliberate one-line faults, each against the tests that must catch it (tools/mutants.py; not in CI).
 mutants: $(STAMP)

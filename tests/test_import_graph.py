@@ -59,22 +59,7 @@ HEAVY = frozenset({"torch", "transformers", "matplotlib", "numpy"})
 # here until then. A new problem there fails like any other; one that stops occurring only
 # leaves a stale name here.
 PLANNER_PENDING: frozenset = frozenset({
-    'deferred import of inspect in tensorpar.sharding.inventory',
-    'deferred import of pathlib in tensorpar.cli.plan_inventory',
-    'deferred import tensorpar.cli.plan -> tensorpar.cli.plan_inventory',
-    'deferred import tensorpar.cli.plan -> tensorpar.cli.progress',
-    'deferred import tensorpar.cli.plan -> tensorpar.planner.search',
-    'deferred import tensorpar.cli.plan -> tensorpar.plots',
-    'deferred import tensorpar.cli.plan_inventory -> tensorpar.cli.progress',
-    'deferred import tensorpar.planner.models -> tensorpar.planner.hfconfig',
-    'deferred import tensorpar.sharding.inventory -> tensorpar.models.testing',
-    'deferred import tensorpar.sharding.inventory -> tensorpar.planner.runtime',
-    'deferred import tensorpar.sharding.inventory -> tensorpar.sharding.pipeline',
-    'module cycle: tensorpar.cli.plan, tensorpar.cli.plan_inventory',
-    'module cycle: tensorpar.planner.hfconfig, tensorpar.planner.models',
-    'package cycle: models, sharding',
-    'production module named testing: tensorpar.models.testing',
-    'upward: sharding -> models',
+    'production module named testing: tensorpar.models.testing',  # until tests/test_interop.py imports models.tiny
 })
 
 

@@ -102,27 +102,31 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidd
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 130,
          "max_position_embeddings": 64}
 
-# Configs that make no model, and refusals an argument or the config can each cause ("config:"),
-# at the top of config.json and nested in a multimodal one ("{name}": a file of plan_fixtures):
-# exit 2, one line, on the formula path and on the path of tensorpar's own split (--inventory).
+# Configs that make no model, and arguments a config's plan refuses, at the top of config.json and
+# nested in a multimodal one ("{name}": a file of plan_fixtures): exit 2, one line. One path plans
+# every config (``--inventory`` is accepted and changes nothing), so each refusal holds with and
+# without it.
 PLAN_ERRORS = [
     (["plan", "--model", "{negative_layers}"], "negative_layers.json: num_hidden_layers=-3 must be a positive integer"),
     (["plan", "--model", "{negative_layers}", "--inventory"], "num_hidden_layers=-3 must be a positive integer"),
     (["plan", "--model", "{zero_heads}"], "num_attention_heads=0 must be a positive integer"),
     (["plan", "--model", "{nested_negative_layers}"], "text_config.num_hidden_layers=-3 must be a positive integer"),
-    (["plan", "--model", "{heads5}"], "heads5.json: hidden (48) must be a multiple of heads (5)"),
+    (["plan", "--model", "{heads5}"],
+     "heads5.json: transformers refuses this llama config: The hidden size (48) is not a multiple of the number of "
+     "attention heads (5)"),
     (["plan", "--model", "{heads5}", "--inventory"],
      "transformers refuses this llama config: The hidden size (48) is not a multiple of the number of attention "
      "heads (5)"),
     (["plan", "--model", "{a_list}"], "a_list.json is not a JSON object (got list)"),
     (["plan", "--model", "{a_list}", "--inventory"], "a_list.json is not a JSON object (got list)"),
-    (["plan", "--model", "{vision}", "--inventory"], "tensorpar cannot build and split this aimv2 model for a plan"),
+    (["plan", "--model", "{vision}"], "tensorpar cannot build and split this aimv2 model for a plan"),
     (["plan", "--model", "{llama}", "--inventory", "--seq", "0"], "--seq (0) must be a positive integer"),
-    (["plan", "--model", "{llama}", "--inventory", "--dp", "0"], "--dp (0) must be a positive integer"),
-    # tp must split the heads: --tp 3 on 4 heads; config: 3 heads at --tp 2; nested
-    (["plan", "--model", "{llama}", "--inventory", "--tp", "3"], "tp_size (3) must divide n_heads (4)"),
-    (["plan", "--model", "{heads3}", "--inventory", "--tp", "2"], "tp_size (2) must divide n_heads (3)"),
-    (["plan", "--model", "{nested}", "--tp", "3"], "tp_size (3) must divide n_heads (4)"),
+    (["plan", "--model", "{llama}", "--dp", "0"], "dp (0) must be a positive integer"),
+    (["plan", "--model", "{llama}", "--search", "--devices", "4", "--micro-batch", "0"],
+     "micro_batch (0) must be a positive integer"),
+    (["plan", "--model", "{llama}", "--layers", "4", "--hidden", "64"],
+     "--layers, --hidden: shape options describe a preset or --family model; llama.json is planned as written"),
+    (["plan", "--model", "llama-2-7b", "--inventory"], "--inventory needs --model DIR or a config.json"),
 ]
 
 
@@ -148,7 +152,7 @@ def plan_fixtures(root) -> dict:
     return out
 
 
-def test_configs_and_arguments_refused_on_both_paths(capsys, tmp_path):
+def test_configs_and_arguments_refused_in_one_line(capsys, tmp_path):
     files = plan_fixtures(tmp_path)
     for argv, needle in PLAN_ERRORS:
         rc, out, err = _run(capsys, *[a.format(**files) for a in argv[1:]])
@@ -156,12 +160,26 @@ def test_configs_and_arguments_refused_on_both_paths(capsys, tmp_path):
         assert err.count("\n") == 1 and err.startswith("tensorpar plan: error: ") and needle in err, (argv, err)
 
 
+@pytest.mark.parametrize("name, tp, needle", [("llama", 3, "tp_size (3) must divide n_heads (4)"),
+                                              ("heads3", 2, "tp_size (2) must divide n_heads (3)"),
+                                              ("nested", 3, "tp_size (3) must divide n_heads (4)")])
+def test_a_config_tp_that_does_not_split_is_a_finding(capsys, tmp_path, name, tp, needle):
+    """A tp the runtime cannot split a config's model at is what a preset's is: the report, not
+    feasible, the runtime's reason naming the valid tp sizes, exit 1 (this was exit 2 while
+    configs had a path of their own)."""
+    files = plan_fixtures(tmp_path)
+    rc, out, _ = _run(capsys, "--model", files[name], "--tp", str(tp), "--json")
+    d = json.loads(out)
+    assert rc == 1 and d["feasible"] is False and d["memory_per_device"] is None
+    assert len(d["reasons"]) == 1 and needle in d["reasons"][0] and "valid tp sizes: 1, " in d["reasons"][0]
+
+
 def test_positions_of_a_nested_text_config_plan_the_sequence(capsys, tmp_path):
     """A multimodal config.json gives its positions in text_config (128 here): the plan's sequence,
     not the 2048 assumed where a config gives none."""
     files = plan_fixtures(tmp_path)
     rc, out, _ = _run(capsys, "--model", files["nested"], "--tp", "2", "--json")
-    assert rc in (0, 1) and json.loads(out)["seq"] == 128
+    assert rc in (0, 1) and json.loads(out)["model"]["seq"] == 128
 
 
 def test_bad_choice_from_argparse_is_exit_2(capsys):

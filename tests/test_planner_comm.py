@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from tensorpar.planner import Layout, ModelSpec, get_hardware, plan
+from tensorpar.planner import Layout, ModelSpec, TemplateSource, get_hardware, plan, predict_from_inventory
 from tensorpar.planner.comm import bytes_sent, dp_collectives, pp_collectives, tp_collectives
 from tensorpar.planner.params import params_per_device
 
@@ -136,22 +136,31 @@ def test_data_parallel_gradients_and_zero():
     assert dp_collectives(p, _lay(dp=4, workload="inference")) == []
 
 
-def test_plan_per_step_is_micro_batches_times_per_micro_batch_plus_dp():
+def test_plan_per_step_is_micro_batches_times_the_runtime_step_plus_dp():
+    """The plan's tensor-parallel items of a step are the runtime's training step (the template's
+    sites: the prediction the ledger tests check) once per micro-batch, plus train_step's digest
+    and gradient-norm all-reduces once; data parallelism is one DDP bucket of every gradient."""
     lay = _lay(dp=2, global_batch=12)  # 2 micro-batches of 3 per data-parallel rank
     r = plan(TINY, lay, get_hardware("a100-80gb"))
+    step = predict_from_inventory(TemplateSource(TINY).at(2), 3, TINY.seq, 4, "train")
     tp_items = [i for i in r.comm["per_step"] if i["group"] == "tp"]
-    per_mb = tp_collectives(TINY, lay)["per_micro_batch"]
-    assert sum(i["bytes_sent_per_device"] * i["count"] for i in tp_items) == 2 * bytes_sent(per_mb)
+    once = [(i["where"], i["payload_bytes"], i["count"]) for i in tp_items if i["where"] in ("train_step", "clip_grad_norm")]
+    assert once == [("train_step", 16, 1), ("clip_grad_norm", 8, 1)]
+    assert sum(i["bytes_sent_per_device"] * i["count"] for i in tp_items) == 2 * step.bytes_sent_per_rank[0] + 16 + 8
     dp_items = [i for i in r.comm["per_step"] if i["group"] == "dp"]
     assert len(dp_items) == 1 and dp_items[0]["payload_bytes"] == r.params_per_device * 4
-    assert r.comm["per_layer"] == [i.to_dict() for i in tp_collectives(TINY, lay)["per_layer"]]
+    assert [(i["op"], i["where"], i["payload_bytes"]) for i in r.comm["per_layer"]] == [
+        (i.op, i.where, i.payload_bytes) for i in step.per_layer]
 
 
 def test_decode_per_token_items():
     lay = dataclasses.replace(_lay(workload="inference"), micro_batch=1)
     r = plan(TINY, lay, get_hardware("h100-sxm"))
     rows = sorted((i["where"], i["payload_bytes"], i["count"]) for i in r.comm["decode_per_token"])
-    assert rows == [("embedding", 32, 1), ("layer.attention", 32, 2), ("layer.mlp", 32, 2)]  # b*1*h*4 bytes
+    # b*1*h*4 bytes at the embedding and each layer's two row splits; each rank's best (value,
+    # index) pair of float64, b * tp * 16 bytes (generate's greedy exchange)
+    assert rows == [("model.embed_tokens", 32, 1), ("model.layers.*.mlp.down_proj", 32, 2),
+                    ("model.layers.*.self_attn.o_proj", 32, 2), ("next_token", 32, 1)]
 
 
 @pytest.mark.parametrize("sp", [False, True])

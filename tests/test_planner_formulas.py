@@ -208,7 +208,7 @@ def test_hf_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(llama))
     m = from_hf_config(tmp_path / "config.json")
     assert PR.count_params(m) == PR.count_params(get_model("llama-3-8b"))
-    assert get_model(str(tmp_path)).seq == 8192  # a folder holding config.json
+    assert m.seq == 8192 and m.seq_source.startswith("max_position_embeddings")
     gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
     (tmp_path / "gpt2.json").write_text(json.dumps(gpt2))
     assert PR.count_params(from_hf_config(tmp_path / "gpt2.json")) == 124_439_808  # GPT-2 small

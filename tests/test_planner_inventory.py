@@ -6,7 +6,7 @@
 - for the five families of the formula path, the prediction from the inventory equals
   ``tensorpar.planner.predict_collectives`` collective for collective;
 - the planning group answers its size and rank and refuses collectives; a model tensorpar cannot
-  plan is refused with the reason; ``plan_inventory`` and ``tensorpar plan --model DIR``.
+  plan is refused with the reason; ``plan`` of a ``MetaSource`` and ``tensorpar plan --model DIR``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from collections import Counter
 import pytest
 import torch
 
-from tensorpar.planner import get_hardware, plan_inventory, predict_collectives, predict_from_inventory
-from tensorpar.planner.inventory import ModelInventory
-from tensorpar.sharding.inventory import build_inventory
+from tensorpar.architecture.split_model import ModelInventory
+from tensorpar.planner import Layout, get_hardware, plan, predict_collectives, predict_from_inventory
+from tensorpar.sharding.inventory import MetaSource, build_inventory
 from tests._planner_inventory_workers import ARCHS, tiny_config, tiny_model
 
 MORE = ("mistral", "qwen2", "qwen3_moe", "olmoe", "gpt_oss", "gemma2", "stablelm", "mpt", "persimmon",
@@ -153,24 +153,28 @@ def test_models_tensorpar_cannot_split_are_refused_with_the_reason(arch, message
         build_inventory(config, 3)
 
 
-# ---- plan_inventory and the CLI -------------------------------------------------------------------------
+# ---- plan() of a config and the CLI ----------------------------------------------------------------
 
-def test_plan_inventory_counts_from_the_inventory():
+def test_plan_of_a_config_counts_from_its_split():
+    """``plan`` reads a config's split as the runtime makes it: parameters per rank, weights and
+    mixed-precision Adam (bf16: 2 + 2 + 12 bytes a parameter) of the busiest rank, the KV cache of
+    its windows (8 keys: 7 cached tokens a layer, not 64), activations counted (not left out),
+    and a decode step's collectives, each rank's best candidate exchanged."""
     inv = build_inventory(tiny_config("mixtral"), 2)
-    hw = get_hardware("h100-sxm")
-    rep = plan_inventory(inv, hw, batch=2, seq=64, dtype="bf16", workload="inference")
+    src, hw = MetaSource(tiny_config("mixtral")), get_hardware("h100-sxm")
+    rep = plan(src, Layout(tp=2, micro_batch=2, workload="inference"), hw, seq=64)
     assert rep.params == inv.params_total and rep.params_per_rank == inv.params_per_rank()
     mem = rep.memory_per_device
-    assert mem["weights"] == max(inv.params_per_rank()) * 2 and mem["activations"] is None
-    assert mem["kv_cache"] == 2 * inv.kv_cache_elems(64, 0) * 2  # windows of 8 keep 7 tokens per layer
-    assert rep.kv_cache["bytes_per_token_per_rank"] == [inv.kv_elems_per_token(r) * 2 for r in range(2)]
-    b = rep.bounds
-    assert b["step_s"] == max(b["step_compute_s"], b["step_comm_s"]) > 0
-    assert b["decode_per_token_s"] == max(b["decode_hbm_s"], b["decode_compute_s"], b["decode_comm_s"]) > 0
-    train = plan_inventory(inv, hw, batch=2, seq=64, workload="train")
-    assert train.memory_per_device["optimizer"] == 12 * max(inv.params_per_rank())  # mixed-precision Adam
-    assert train.comm["step"]["workload"] == "train" and rep.comm["step"]["workload"] == "logits"
-    json.dumps(train.to_dict())
+    assert mem["weights"] == max(inv.params_per_rank()) * 2 and mem["activations"] > 0
+    # 2 sequences x 2 layers x 7 tokens x one KV head per rank (K and V, 16 each) x 2 bytes
+    assert mem["kv_cache"] == 2 * inv.kv_cache_elems(64, 0) * 2 == 2 * (2 * 7 * 2 * 16) * 2
+    assert rep.kv_cache_bytes_per_token["per_device"] == max(inv.kv_elems_per_token(r) for r in range(2)) * 2
+    assert "next_token" in {i["where"] for i in rep.comm["decode_per_token"]}
+    train = plan(src, Layout(tp=2, micro_batch=2, workload="train"), hw, seq=64)
+    assert train.memory_per_device["optimizer"] == 12 * max(inv.params_per_rank())
+    assert train.memory_per_device["gradients"] == 2 * max(inv.params_per_rank())
+    assert rep.model["model_type"] == "mixtral" and rep.model["n_experts"] == 4
+    json.dumps(train.to_dict(), allow_nan=False)
 
 
 def _cli(capsys, *argv):
@@ -182,21 +186,21 @@ def _cli(capsys, *argv):
 
 def test_cli_plans_a_checkpoint_directory_of_any_architecture(capsys, tmp_path):
     tiny_config("qwen2_moe").save_pretrained(tmp_path)
-    rc, out, err = _cli(capsys, "--model", str(tmp_path), "--tp", "2", "--seq", "32", "--json")
+    rc, out, err = _cli(capsys, "--model", str(tmp_path), "--tp", "2", "--pp", "2", "--seq", "32", "--json")
     assert rc == 0, err
     d = json.loads(out)
     inv = build_inventory(tmp_path, 2)
     assert d["params"] == inv.params_total and d["params_per_rank"] == inv.params_per_rank()
-    assert d["comm"]["step"]["workload"] == "train" and d["model"]["model_type"] == "qwen2_moe"
+    assert d["model"]["model_type"] == "qwen2_moe" and len(d["params_per_stage"]) == 2
+    assert any(i["op"] == "send" and i["group"] == "pp" for i in d["comm"]["per_step"])
     rc, out, _ = _cli(capsys, "--model", str(tmp_path / "config.json"), "--tp", "2", "--workload", "inference")
     words = " ".join(out.split())
-    assert rc == 0 and "collectives per decode step" in words and "model.layers.*.mlp.gate" not in words
+    assert rc == 0 and "decode per token" in words and "model.layers.*.mlp.gate " not in words
 
 
 @pytest.mark.parametrize("arch, argv, needle", [
     ("reformer", ["--tp", "2"], "cannot build a reformer model from this config"),
-    ("falcon", ["--tp", "3"], "tp_size (3) does not fit this falcon model"),
-    ("falcon", ["--tp", "2", "--pp", "2"], "--pp: planned by the formula path only"),
+    ("falcon", ["--tp", "2", "--layers", "4"], "--layers: shape options describe a preset or --family model"),
 ])
 def test_cli_refusals_are_one_line(capsys, tmp_path, arch, argv, needle):
     from tensorpar.models.tiny import make_tiny_config

@@ -13,7 +13,9 @@ H100 = get_hardware("h100-sxm")
 def test_heads_not_divisible_is_infeasible_with_valid_sizes():
     r = plan(get_model("llama-2-7b"), Layout(tp=3), H100)
     assert not r.feasible and r.memory_per_device is None
-    assert r.reasons == ["tp (3) must divide heads (32); valid tp sizes: 1, 2, 4, 8, 16, 32"]
+    assert r.reasons == ["tp_size (3) does not fit this llama model: tp_size (3) must divide n_heads (32); "
+                         "tp_size (3) must divide n_kv_heads (32) or be a multiple of it; tp_size (3) must divide "
+                         "the MLP width ffn (11008); valid tp sizes: 1, 2, 4, 8, 16, 32"]
     json.dumps(r.to_dict(), allow_nan=False)
 
 
@@ -29,20 +31,27 @@ def test_kv_heads_replicated_when_tp_is_a_multiple():
 
 
 def test_kv_heads_neither_dividing_nor_multiple():
-    m = ModelSpec(family="llama", layers=2, hidden=96, heads=12, kv_heads=4, vocab=64, seq=8)
+    m = ModelSpec(family="llama", layers=2, hidden=96, heads=12, kv_heads=4, ffn=240, vocab=64, seq=8)
     assert valid_tp_sizes(m) == [1, 2, 4, 12]
     r = plan(m, Layout(tp=6), H100)
-    assert not r.feasible and "must divide kv_heads (4) or be a multiple of it; valid tp sizes: 1, 2, 4, 12" in r.reasons[0]
+    assert not r.feasible and ("tp_size (6) must divide n_kv_heads (4) or be a multiple of it; valid tp sizes: "
+                               "1, 2, 4, 12") in r.reasons[0]
 
 
-def test_vocab_and_ffn_are_padded_with_their_cost():
+def test_valid_tp_sizes_are_the_runtimes_the_mlp_width_divides():
+    """The runtime does not pad the MLP (ParallelMLP needs tp | ffn), so neither does the planner:
+    ffn 100 at tp 8 is refused, naming ffn and the sizes that split it (the planner used to pad
+    it to 104 and call tp 8 feasible, a layout the runtime refuses); the vocabulary is padded."""
     m = ModelSpec(family="gpt", layers=2, hidden=64, heads=8, ffn=100, vocab=50257, seq=32)
+    assert valid_tp_sizes(m) == [1, 2, 4]
     r = plan(m, Layout(tp=8), H100)
-    assert r.feasible
-    fixes = {f["dimension"]: f for f in r.fixes}
-    assert fixes["vocab"]["extra_params"] == (50264 - 50257) * 64  # tied: one matrix
-    assert fixes["ffn"]["extra_params"] == 2 * (2 * 64 * 4 + 4)  # 100 -> 104, two matrices + fc1 bias
-    assert 0 < fixes["ffn"]["extra_flops_fraction"] < 0.1
+    assert not r.feasible and r.memory_per_device is None
+    assert r.reasons == ["tp_size (8) does not fit this gpt2 model: tp_size (8) must divide the MLP width ffn (100); "
+                         "valid tp sizes: 1, 2, 4"]
+    r = plan(m, Layout(tp=4), H100)
+    assert r.feasible and [f["dimension"] for f in r.fixes] == ["vocab"]
+    assert r.fixes[0]["extra_params"] == (50260 - 50257) * 64  # tied: one matrix
+    assert 0 < r.fixes[0]["extra_flops_fraction"] < 1e-3
     assert clean_tp_sizes(m) == [1]
 
 
@@ -150,7 +159,7 @@ def test_a_tie_on_the_bound_says_the_estimate_decides():
 
 
 def test_padding_fixes_are_listed_only_for_a_split_the_heads_allow():
-    m = ModelSpec(family="gpt", layers=2, hidden=64, heads=8, ffn=100, vocab=50257, seq=32)
-    r = plan(m, Layout(tp=3), H100)  # heads 8 do not split in 3, so padding ffn and vocab would not help
-    assert not r.feasible and r.fixes == [] and "must divide heads (8)" in r.reasons[0]
-    assert [f["dimension"] for f in plan(m, Layout(tp=8), H100).fixes] == ["ffn", "vocab"]
+    m = ModelSpec(family="gpt", layers=2, hidden=64, heads=8, ffn=128, vocab=50257, seq=32)
+    r = plan(m, Layout(tp=3), H100)  # heads 8 do not split in 3, so padding the vocabulary would not help
+    assert not r.feasible and r.fixes == [] and "must divide n_heads (8)" in r.reasons[0]
+    assert [f["dimension"] for f in plan(m, Layout(tp=8), H100).fixes] == ["vocab"]

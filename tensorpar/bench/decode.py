@@ -21,7 +21,7 @@ Ratios are medians over rounds of two variants' per-token times in the same roun
   times, waiting for the peer included), and the collectives and bytes per token it recorded;
 - the planner's lower bound of a decode step for *this machine* (:func:`this_machine`: memory
   bandwidth and matmul rate measured on both ranks at once, the shared-memory all-gather's rate
-  as the link), from the checkpoint's inventory (``tensorpar.planner.inventory_plan``);
+  as the link), from the checkpoint's split (``tensorpar.planner.plan`` of its ``MetaSource``);
 - every variant's tokens against the unsplit model's (a speed-up that changes the output is none).
 """
 from __future__ import annotations
@@ -41,9 +41,9 @@ from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.planner import Layout, plan
 from tensorpar.planner.hardware import custom_hardware
-from tensorpar.planner.inventory_plan import plan_inventory
-from tensorpar.sharding.inventory import build_inventory
+from tensorpar.sharding.inventory import MetaSource
 
 PROMPT, NEW, BATCHES = 32, 32, (1, 8)
 VARIANTS = ("shm", "shm_hf", "gloo", "hf_tp", "dense_2t", "dense_lean_2t")
@@ -84,9 +84,8 @@ def _best_of(fn, n: int = 5) -> float:
 
 
 def _bound(path, hw, batch: int) -> float:
-    inv = build_inventory(path, dist.get_world_size(), head=True)
-    plan = plan_inventory(inv, hw, batch=batch, seq=PROMPT + NEW // 2, dtype="fp32", workload="inference")
-    return plan.bounds["decode_per_token_s"]
+    layout = Layout(tp=dist.get_world_size(), micro_batch=batch, dtype="fp32", workload="inference")
+    return plan(MetaSource(path), layout, hw, seq=PROMPT + NEW // 2).decode_time_per_token_lower_bound_s
 
 
 def _hf_tp(path):

@@ -6,21 +6,26 @@ PATH`` writes a PNG of memory per device and communication per step against tp. 
 ``ValueError`` in the planner; the dispatcher prints it as one line and exits 2. A layout that
 does not fit (or a search that finds none) exits 1, like a failed proof.
 
-``--model DIR`` (a checkpoint directory or its config.json) of a model type the formulas do not
-know (or with ``--inventory``) is planned from tensorpar's own split instead: the plan
-``parallelize`` would apply, built on the meta device for every rank
-(``tensorpar.sharding.inventory``), planned by :func:`tensorpar.planner.plan_inventory` (an
-:class:`~tensorpar.planner.InventoryPlanReport`; with `--dp`, `--zero-stage` and `--sequence-parallel` a
-training step on a dp x tp mesh) in :mod:`tensorpar.cli.plan_inventory`.
+One path for every model: a preset or ``--family`` shapes go through their template
+(``tensorpar.architecture.templates``), ``--model DIR`` or a ``config.json`` of any architecture
+``parallelize`` splits through the meta-device producer (``tensorpar.sharding.inventory.MetaSource``:
+the plan ``parallelize`` would apply, built for every rank at each tp the plan or search asks for);
+:func:`tensorpar.planner.plan` and :func:`~tensorpar.planner.search` read the split model either
+hands over. ``--inventory`` is kept for compatibility: a config is always planned that way.
 """
 from __future__ import annotations
 
 import json
 import math
 import sys
+from pathlib import Path
 
 from tensorpar import planner as P
-from tensorpar.planner.layout import DTYPE_BYTES, RECOMPUTE, WORKLOADS, ZERO_STAGES
+from tensorpar import plots
+from tensorpar.cli import progress
+from tensorpar.planner import hfconfig
+from tensorpar.planner.layout import DTYPE_BYTES, OPTIMIZERS, RECOMPUTE, WORKLOADS, ZERO_STAGES
+from tensorpar.planner.search import tp_sweep
 
 SHAPES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "head_dim")
 REQUIRED = ("family", "layers", "hidden", "heads", "vocab", "seq")
@@ -45,7 +50,10 @@ def add_parser(subparsers) -> None:
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
     lay.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
     lay.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0,
-                     help="ZeRO stage over dp for mixed-precision Adam (default 0)")
+                     help="ZeRO stage over dp (default 0; 0 is DDP's buckets, 3 FSDP2's units)")
+    lay.add_argument("--optimizer", choices=OPTIMIZERS, default="adam-mixed",
+                     help="Adam's state per parameter: adam-mixed (fp32 master + moments, 16 B at 16-bit; "
+                          "default) or adamw (moments in the model dtype, as tensorpar train keeps them)")
     lay.add_argument("--workload", choices=WORKLOADS, default="train")
     hw = p.add_argument_group("hardware (a preset, optionally overridden)")
     hw.add_argument("--hardware", default="a100-80gb", help=f"preset: {', '.join(P.HARDWARE_PRESETS)}")
@@ -67,13 +75,48 @@ def add_parser(subparsers) -> None:
     o.add_argument("--plot", metavar="PATH", help="write a PNG of memory and communication against tp")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--inventory", action="store_true",
-                   help="plan a config.json or checkpoint directory from tensorpar's own split of it (any "
-                        "architecture parallelize splits; the default for model types the formulas do not know)")
+                   help="kept for compatibility: a config.json or checkpoint directory is always planned from "
+                        "tensorpar's own split of it (any architecture parallelize splits)")
     p.set_defaults(func=main)
 
 
+def config_file(model: str | None) -> Path | None:
+    """``--model`` as a config file: a ``.json`` file, or a directory holding ``config.json``."""
+    if not model:
+        return None
+    path = Path(model)
+    path = path / "config.json" if path.is_dir() else path
+    return path if path.is_file() and path.name.endswith(".json") else None
+
+
+def model_source(args):
+    """What the plan reads: a config through the meta-device producer (torch and transformers
+    load here, only for a config), else the preset or shapes through their template."""
+    path = config_file(args.model)
+    if path is None:
+        if args.inventory:
+            raise ValueError(f"--inventory needs --model DIR or a config.json; got {args.model!r}")
+        return P.TemplateSource(build_model(args))
+    shapes = [f"--{k.replace('_', '-')}" for k in SHAPES if getattr(args, k) is not None and k != "seq"]
+    if shapes:
+        raise ValueError(f"{', '.join(shapes)}: shape options describe a preset or --family model; "
+                         f"{path.name} is planned as written (edit it to change a size)")
+    hfconfig.read_config(path)  # ValueError naming the file and the field, before torch loads
+    _check_counts(args)
+    from tensorpar.sharding.inventory import MetaSource
+
+    return MetaSource(path, seq=args.seq)
+
+
+def _check_counts(args) -> None:
+    """``--seq`` of a config, a positive integer (0 would otherwise fall back to the config's
+    positions); the layout's counts are checked by the layout."""
+    if args.seq is not None and args.seq < 1:
+        raise ValueError(f"--seq ({args.seq}) must be a positive integer")
+
+
 def build_model(args) -> P.ModelSpec:
-    """The model from ``--model`` (shape options override it) or from the shape options alone."""
+    """The model from a preset ``--model`` (shape options override it) or from the shape options alone."""
     given = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
     if "seq" in given:
         given["seq_source"] = "--seq"
@@ -124,7 +167,7 @@ def build_hardware(args) -> P.Hardware:
 
 def layout_options(args) -> dict:
     return {"sequence_parallel": args.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype,
-            "zero_stage": args.zero_stage}
+            "zero_stage": args.zero_stage, "optimizer": args.optimizer}
 
 
 def kv_link(value: str):
@@ -147,25 +190,19 @@ def latency_s(args) -> float:
 
 
 def main(args) -> int:
-    from tensorpar.cli.plan_inventory import main_inventory, uses_inventory
-
-    if uses_inventory(args):
-        return main_inventory(args)
-    model, hardware = build_model(args), build_hardware(args)
-    if args.search:
-        from tensorpar.cli.progress import Phases
-
-        with Phases(quiet=args.json) as phase, phase(f"searching tp x pp x dp over {args.devices} devices"):
-            result = run_search(args, model, hardware)
-    else:
-        layout = P.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
-                          global_batch=args.global_batch, workload=args.workload, **layout_options(args))
-        if args.devices is not None and args.devices != layout.devices:
-            raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
-                             f"--devices ({args.devices}); valid: layouts whose product is {args.devices} "
-                             "(or use --search)")
-        result = P.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
-                        latency_s=latency_s(args))
+    hardware = build_hardware(args)
+    if args.search and args.devices is None:
+        raise ValueError("--search needs --devices N (the number of devices to lay out)")
+    layout = None if args.search else _layout(args)
+    model = model_source(args)
+    with progress.Phases(quiet=args.json) as phase:
+        if args.search:
+            with phase(f"searching tp x pp x dp over {args.devices} devices"):
+                result = run_search(args, model, hardware)
+        else:
+            with phase(f"planning tp={layout.tp} pp={layout.pp} dp={layout.dp}"):
+                result = P.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
+                                latency_s=latency_s(args))
     if args.plot:
         _plot(args, model, hardware, result)
     if args.json:
@@ -175,25 +212,31 @@ def main(args) -> int:
     return 0 if _feasible(result) else 1
 
 
+def _layout(args) -> P.Layout:
+    """The layout asked for, checked against ``--devices`` when given."""
+    layout = P.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+                      global_batch=args.global_batch, workload=args.workload, **layout_options(args))
+    if args.devices is not None and args.devices != layout.devices:
+        raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
+                         f"--devices ({args.devices}); valid: layouts whose product is {args.devices} "
+                         "(or use --search)")
+    return layout
+
+
 def _feasible(result) -> bool:
     """Exit code 1 for a layout that does not fit (or a search that found none), like a failed proof."""
     return result.best is not None if isinstance(result, P.SearchResult) else bool(result.feasible)
 
 
-# ---- search and plot (any architecture: tensorpar/cli/plan_inventory.py) -------------------------
+# ---- search and plot ---------------------------------------------------------------------------
 
 def run_search(args, model, hardware) -> P.SearchResult:
-    if args.devices is None:
-        raise ValueError("--search needs --devices N (the number of devices to lay out)")
     return P.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
                     global_batch=args.global_batch, workload=args.workload, latency_s=latency_s(args),
                     **layout_options(args))
 
 
 def _plot(args, model, hardware, result) -> None:
-    from tensorpar.planner.search import tp_sweep
-    from tensorpar.plots import plot_tp_sweep
-
     if isinstance(result, P.SearchResult):
         if result.best is None:
             raise ValueError("--plot needs a feasible layout; the search found none")
@@ -205,7 +248,7 @@ def _plot(args, model, hardware, result) -> None:
         base = P.Layout(**{k: v for k, v in result.layout.items() if k not in ("devices", "num_micro_batches")})
     rows = tp_sweep(model, base, hardware)
     step = "per step" if base.workload == "train" else "per prefill of the global batch"
-    plot_tp_sweep(rows, args.plot, title=sweep_title(model, hardware, base, rows),
+    plots.plot_tp_sweep(rows, args.plot, title=sweep_title(model, hardware, base, rows),
                   devices_per_node=hardware.devices_per_node, step=step)
     print(f"wrote {args.plot}", file=sys.stderr)  # stderr: --json keeps stdout to one object
 
@@ -225,9 +268,7 @@ _PARTS = (("weights", "blue", "W"), ("gradients", "magenta", "G"), ("optimizer",
 
 
 def print_result(result) -> None:
-    from tensorpar.cli.progress import console as make_console
-
-    console = make_console(highlight=False)
+    console = progress.console(highlight=False)
     if isinstance(result, P.SearchResult):
         _render_search(console, result)
     else:
@@ -248,6 +289,8 @@ def _render_plan(console, r: P.PlanReport) -> None:
         console.print(f"  [yellow]fix[/] {fix['fix']}: {fix['cost']}")
     for line in r.warnings:
         console.print(f"  [yellow]![/] {line}")
+    for block, why in r.whole.items():
+        console.print(f"  [yellow]whole[/] {block}: {why}")
     if r.memory_per_device is None:
         console.print(f"valid tp sizes: {', '.join(map(str, r.valid_tp_sizes))}")
         return
@@ -256,6 +299,8 @@ def _render_plan(console, r: P.PlanReport) -> None:
     console.print(_memory_bar(r.memory_per_device))
     console.print(_comm_table(r))
     console.print(_time_table(r))
+    for note in r.notes:
+        console.print(f"- {note}")
 
 
 def _table(title, *columns):

@@ -14,17 +14,19 @@ Standard library only (no numpy, no torch). Every formula is a small function in
 - :mod:`.report` ``plan()``, and :mod:`.search` the layout search,
 - :mod:`.hf` / :mod:`.predict` a Hugging Face model as tensorpar's runtime shards and runs it:
   parameters per rank and every collective it issues (``predict_collectives``);
-- :mod:`.inventory` / :mod:`.runtime` / :mod:`.inventory_plan` any architecture the runtime splits,
-  from its inventory (``tensorpar.sharding.inventory`` builds it): the same prediction
-  (``predict_from_inventory``) and a plan of memory, FLOPs, KV cache and bounds (``plan_inventory``).
+- :mod:`.source` where a model comes from: a ModelSpec through its template
+  (``tensorpar.architecture.templates``), or any ``config.json`` through ``tensorpar.sharding.
+  inventory.MetaSource``; every figure of ``plan()`` and ``search()`` is read from the
+  :class:`~tensorpar.architecture.split_model.SplitModel` it hands over (:mod:`.stages`,
+  :mod:`.split_memory`, :mod:`.split_flops`, :mod:`.traffic`), and :mod:`.runtime` /
+  :mod:`.mesh` predict from it what the runtime's ledger records (``predict_from_inventory``).
 """
 from .comm import CommItem, dp_collectives, pp_collectives, tp_collectives, tp_layer_collectives
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, custom_hardware, get_hardware
 from .hf import params_per_rank
 from .hfconfig import from_hf_config, from_hf_dict
-from .inventory import ModelInventory
-from .inventory_plan import InventoryPlanReport, plan_inventory
+from tensorpar.architecture.split_model import ModelInventory, SplitModel
 from .layout import Layout
 from .models import PRESETS as MODEL_PRESETS
 from .models import ModelSpec, get_model
@@ -33,11 +35,13 @@ from .predict import PredictedCollective, RuntimePrediction, predict_collectives
 from .report import PlanReport, plan
 from .runtime import predict_from_inventory
 from .search import SearchResult, search
+from .source import ModelSource, TemplateSource
 
 __all__ = [
-    "CommItem", "HARDWARE_PRESETS", "Hardware", "InventoryPlanReport", "Layout", "MODEL_PRESETS", "ModelInventory",
-    "ModelSpec", "PlanReport", "PredictedCollective", "RuntimePrediction", "SearchResult", "count_params",
-    "custom_hardware", "dp_collectives", "from_hf_config", "from_hf_dict", "get_hardware", "get_model",
-    "param_breakdown", "params_per_device", "params_per_rank", "plan", "plan_inventory", "pp_collectives",
-    "predict_collectives", "predict_from_inventory", "search", "tp_collectives", "tp_layer_collectives",
+    "CommItem", "HARDWARE_PRESETS", "Hardware", "Layout", "MODEL_PRESETS", "ModelInventory", "ModelSource",
+    "ModelSpec", "PlanReport", "PredictedCollective", "RuntimePrediction", "SearchResult", "SplitModel",
+    "TemplateSource", "count_params", "custom_hardware", "dp_collectives", "from_hf_config", "from_hf_dict",
+    "get_hardware", "get_model", "param_breakdown", "params_per_device", "params_per_rank", "plan",
+    "pp_collectives", "predict_collectives", "predict_from_inventory", "search", "tp_collectives",
+    "tp_layer_collectives",
 ]

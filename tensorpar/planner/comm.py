@@ -194,6 +194,12 @@ def _loss_item(layout, tokens, loss_bytes) -> CommItem:
 
 def pp_collectives(model: ModelSpec, layout: Layout, *, stage: str, seq: int | None = None,
                    phase: str | None = None) -> list[CommItem]:
+    """Point-to-point traffic of one pipeline stage per micro-batch (counts per micro-batch):
+    :func:`pp_p2p_items` of the model's hidden size."""
+    return pp_p2p_items(model.hidden, model.seq if seq is None else seq, layout, stage=stage, phase=phase)
+
+
+def pp_p2p_items(hidden: int, seq: int, layout: Layout, *, stage: str, phase: str | None = None) -> list[CommItem]:
     """Point-to-point traffic of one pipeline stage per micro-batch (counts per micro-batch).
 
     Activations go forward, their gradients backward, ``b s h e`` each. With tp > 1 each rank
@@ -204,10 +210,9 @@ def pp_collectives(model: ModelSpec, layout: Layout, *, stage: str, seq: int | N
     if layout.pp == 1:
         return []
     phase = _phase(layout, phase)
-    s = model.seq if seq is None else seq
     t, e = layout.tp, layout.bytes_per_elem
-    n = pp_p2p_bytes(layout.micro_batch, s, model.hidden, e)
-    shard = pp_p2p_bytes(layout.micro_batch, s, model.hidden, e, tp=t, scatter_gather=True)
+    n = pp_p2p_bytes(layout.micro_batch, seq, hidden, e)
+    shard = pp_p2p_bytes(layout.micro_batch, seq, hidden, e, tp=t, scatter_gather=True)
     items = []
     directions = [("forward", stage != "last", stage != "first")]
     if phase == "training":

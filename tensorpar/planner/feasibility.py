@@ -1,84 +1,64 @@
-"""Will a layout run: divisibility of every split dimension, and memory against capacity.
+"""Will a layout run: the runtime's tp rule, pipeline and sequence divisibility, memory against
+capacity; and the fixes the runtime applies, with their cost.
 
-Each problem is either a *reason* (the layout cannot run as asked) or a *fix* the planner applies
-and prices (padding, KV-head replication). Megatron-LM requires heads, ffn and vocabulary to
-divide by tp (Shoeybi et al. 2019, Sec. 3) and pads the vocabulary (``make_vocab_size_divisible_by``);
-KV-head replication when tp exceeds the kv heads is what vLLM and TensorRT-LLM do for GQA.
+The tp sizes are the runtime's (``tensorpar.architecture.tp_rules``, read by the source: the
+templates and the meta-device split alike): query heads and every split width (the MLP's
+included: the runtime does not pad it) divide tp, KV heads divide it or are replicated
+(each on ``tp / n_kv`` ranks, as vLLM and TensorRT-LLM do for GQA), the vocabulary is padded
+(Megatron-LM's ``make_vocab_size_divisible_by``). Each problem is a *reason* (the layout cannot
+run as asked) or a *fix* the runtime applies, priced from the split model.
 """
 from __future__ import annotations
 
-from .flops import forward_flops_per_token, layer_forward_flops_per_token, lm_head_forward_flops_per_token
+from tensorpar.architecture.split_model import SplitModel
+
 from .layout import Layout
-from .models import ModelSpec, divisors
-from .params import padded, valid_tp_sizes
+from .source import source_of
 
 
-def clean_tp_sizes(model: ModelSpec) -> list[int]:
-    """tp sizes that need no fix at all: heads, kv heads, ffn and vocabulary all divide."""
-    return [t for t in valid_tp_sizes(model)
-            if model.kv_heads % t == 0 and model.ffn % t == 0 and model.vocab % t == 0]
+def valid_tp_sizes(model) -> list[int]:
+    """The tp sizes the runtime splits ``model`` (a ModelSpec or a source) at."""
+    return list(source_of(model).valid_tp_sizes())
 
 
-def divisibility(model: ModelSpec, layout: Layout) -> tuple[list[str], list[dict]]:
-    """Reasons the split cannot run, and the fixes applied (with their cost). When tp cannot split
-    the heads no fix is listed: padding ffn or the vocabulary would not make it run."""
-    t, reasons, fixes = layout.tp, [], []
-    valid = ", ".join(map(str, valid_tp_sizes(model)))
-    if model.heads % t:
-        reasons.append(f"tp ({t}) must divide heads ({model.heads}); valid tp sizes: {valid}")
-    elif model.kv_heads % t and t % model.kv_heads:
-        reasons.append(f"tp ({t}) must divide kv_heads ({model.kv_heads}) or be a multiple of it; "
-                       f"valid tp sizes: {valid}")
-    elif model.kv_heads % t:
-        fixes.append(_kv_replication_fix(model, layout))
-    if not reasons:  # padding only helps a split the heads allow
-        if model.ffn % t:
-            fixes.append(_ffn_padding_fix(model, layout))
-        if model.vocab % t:
-            fixes.append(_vocab_padding_fix(model, layout))
-    if layout.sequence_parallel and model.seq % t:
-        reasons.append(f"sequence parallelism splits seq ({model.seq}) over tp ({t}); "
-                       f"valid seq: multiples of {t}")
-    if model.layers % layout.pp:
-        reasons.append(f"pp ({layout.pp}) must divide layers ({model.layers}); valid pp sizes: "
-                       f"{', '.join(map(str, divisors(model.layers)))}")
-    return reasons, fixes
+def clean_tp_sizes(model) -> list[int]:
+    """tp sizes that need no fix at all: the KV heads and the vocabulary divide too."""
+    return [t for t in valid_tp_sizes(model) if model.kv_heads % t == 0 and model.vocab % t == 0]
 
 
-def _kv_replication_fix(model, layout) -> dict:
-    t, g, d, h = layout.tp, model.kv_heads, model.head_dim, model.hidden
-    copies = t // g
-    extra_params = model.layers * 2 * h * d * (t - g)  # K and V columns of (t - g) extra kv heads
-    return {"dimension": "kv_heads", "fix": f"replicate each of the {g} kv heads on {copies} ranks",
-            "extra_params": extra_params, "extra_weight_bytes_per_replica": extra_params * layout.bytes_per_elem,
-            "kv_cache_factor": copies, "applied_by_tensorpar_runtime": True,
-            "cost": f"K/V weights and the KV cache of one replica grow {copies}x; in training the replicas' "
-                    "k/v weight gradients are all-reduced once per layer (none in inference)"}
+def _excess(p) -> int:
+    """Elements the ranks hold beyond the dense tensor (padding, replicated rows), for a split one."""
+    return sum(r.numel for r in p.ranks) - p.numel if p.ranks[0].pieces is not None else 0
 
 
-def _ffn_padding_fix(model, layout) -> dict:
-    t, f, h = layout.tp, model.ffn, model.hidden
-    pad = padded(f, t) - f
-    extra = model.layers * (model.mlp_matrices * h * pad + (pad if model.biases else 0))
-    layer = layer_forward_flops_per_token(model, model.seq)
-    flops_frac = 2 * model.mlp_matrices * h * pad / sum(layer.values())  # per token and layer
-    return {"dimension": "ffn", "fix": f"pad ffn {f} -> {f + pad} (zero columns/rows)",
-            "extra_params": extra, "extra_weight_bytes": extra * layout.bytes_per_elem,
-            "extra_flops_fraction": flops_frac, "applied_by_tensorpar_runtime": False,
-            "cost": f"{extra:,} zero parameters, {flops_frac:.2%} more layer FLOPs (tensorpar's ParallelMLP "
-                    "does not pad: there tp must divide ffn)"}
+def fixes(split: SplitModel, bytes_per_elem: int, forward_flops_per_token: float) -> list[dict]:
+    """KV-head replication and vocabulary padding, as the runtime applies them at ``split.tp``."""
+    out, e, t, g = [], bytes_per_elem, split.tp, split.kv_heads
+    kv = sum(_excess(p) for p in split.params if p.style not in ("vocab", "vocab_head"))
+    if g and t > g and kv:
+        copies = t // g
+        out.append({"dimension": "kv_heads", "fix": f"replicate each of the {g} kv heads on {copies} ranks",
+                    "extra_params": kv, "extra_weight_bytes_per_replica": kv * e, "kv_cache_factor": copies,
+                    "applied_by_tensorpar_runtime": True,
+                    "cost": f"K/V weights and the KV cache of one replica grow {copies}x; in training the replicas' "
+                            "k/v weight gradients are all-reduced once per layer (none in inference)"})
+    vocab = sum(_excess(p) for p in split.params if p.style in ("vocab", "vocab_head"))
+    if vocab:
+        per = -(-split.vocab // t)
+        head = [m for m in split.matmuls if m.head]
+        extra_flops = sum(sum(m.ranks) - m.flops for m in head)
+        frac = extra_flops / forward_flops_per_token if forward_flops_per_token else 0.0
+        out.append({"dimension": "vocab", "fix": f"pad vocab {split.vocab} -> {per * t} (masked zero rows)",
+                    "extra_params": vocab, "extra_weight_bytes": vocab * e, "extra_flops_fraction": frac,
+                    "applied_by_tensorpar_runtime": True,
+                    "cost": f"{vocab:,} zero parameters, {frac:.3%} more FLOPs (LM head)"})
+    return out
 
 
-def _vocab_padding_fix(model, layout) -> dict:
-    t, v, h = layout.tp, model.vocab, model.hidden
-    pad = padded(v, t) - v
-    matrices = 1 if model.tied_embeddings else 2
-    extra = matrices * pad * h
-    flops_frac = pad / v * lm_head_forward_flops_per_token(model) / forward_flops_per_token(model, model.seq)
-    return {"dimension": "vocab", "fix": f"pad vocab {v} -> {v + pad} (masked zero rows)",
-            "extra_params": extra, "extra_weight_bytes": extra * layout.bytes_per_elem,
-            "extra_flops_fraction": flops_frac, "applied_by_tensorpar_runtime": True,
-            "cost": f"{extra:,} zero parameters, {flops_frac:.3%} more FLOPs (LM head)"}
+def sequence_reasons(seq: int, layout: Layout) -> list[str]:
+    if layout.sequence_parallel and seq % layout.tp:
+        return [f"sequence parallelism splits seq ({seq}) over tp ({layout.tp}); valid seq: multiples of {layout.tp}"]
+    return []
 
 
 def memory_reasons(memory: dict, capacity: float, layout: Layout) -> list[str]:

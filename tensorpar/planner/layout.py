@@ -12,6 +12,7 @@ DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
 WORKLOADS = ("train", "inference")
 ZERO_STAGES = (0, 1, 2, 3)
+OPTIMIZERS = ("adam-mixed", "adamw")  # planner.memory.optimizer_bytes_per_param
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +20,8 @@ class Layout:
     """A parallel layout and run configuration; validated on construction.
 
     ``global_batch`` (sequences per optimizer step) defaults to ``micro_batch * dp`` (one
-    micro-batch per step); it must be a multiple of ``micro_batch * dp``.
+    micro-batch per step); it must be a multiple of ``micro_batch * dp``. ``optimizer``: the
+    state Adam keeps per parameter (:func:`tensorpar.planner.memory.optimizer_bytes_per_param`).
     """
 
     tp: int = 1
@@ -32,6 +34,7 @@ class Layout:
     dtype: str = "bf16"
     zero_stage: int = 0
     workload: str = "train"
+    optimizer: str = "adam-mixed"
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch"):
@@ -43,6 +46,7 @@ class Layout:
         check_choice("dtype", self.dtype, tuple(DTYPE_BYTES))
         check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         check_choice("workload", self.workload, WORKLOADS)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
         if self.global_batch % (self.micro_batch * self.dp):
             per = self.micro_batch * self.dp
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of micro_batch x dp "

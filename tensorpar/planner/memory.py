@@ -9,7 +9,7 @@ and any element size, and equals the table where the table applies.
 """
 from __future__ import annotations
 
-from .layout import RECOMPUTE, ZERO_STAGES, check_choice
+from .layout import OPTIMIZERS, RECOMPUTE, ZERO_STAGES, check_choice
 from .models import ModelSpec
 from .params import ceil_div, heads_per_device, kv_heads_per_device, kv_replication, layers_per_stage
 
@@ -100,10 +100,15 @@ def kv_cache_bytes_per_token(model: ModelSpec, *, tp: int = 1, pp: int = 1, byte
             "replication": kv_replication(model, tp)}
 
 
-def optimizer_bytes_per_param(bytes_per_elem: int) -> int:
-    """Adam state per parameter. Mixed precision (16-bit weights): fp32 master copy, momentum and
-    variance, K = 12 (Rajbhandari et al. 2020, Sec. 3.1); otherwise momentum and variance in the
-    training dtype, ``2 e``."""
+def optimizer_bytes_per_param(bytes_per_elem: int, optimizer: str = "adam-mixed") -> int:
+    """Optimizer state per parameter. ``adam-mixed`` (Megatron-LM, DeepSpeed): with 16-bit weights
+    an fp32 master copy, momentum and variance, K = 12 (Rajbhandari et al. 2020, Sec. 3.1);
+    otherwise momentum and variance in the training dtype, ``2 e``. ``adamw``: PyTorch's AdamW on
+    the model's own parameters, as ``tensorpar train`` runs it: momentum and variance in the
+    model's dtype, ``2 e``."""
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    if optimizer == "adamw":
+        return 2 * bytes_per_elem
     return 12 if bytes_per_elem < 4 else 2 * bytes_per_elem
 
 

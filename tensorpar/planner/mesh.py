@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .collectives import ring_bytes_sent
-from .inventory import CollectiveSite, ModelInventory
+from tensorpar.architecture.split_model import CollectiveSite, ModelInventory
 from .layout import check_size
 from .predict import PredictedCollective, _merge, _Step
 from .runtime import generic_name, step_items
@@ -79,7 +79,8 @@ def sequence_sites(inv: ModelInventory) -> list[CollectiveSite]:
                     key=lambda b: int(b.rsplit(".", 1)[1]))
     for p in inv.params:
         module = p.name.rpartition(".")[0]
-        inside = any(module == a or module.startswith(a + ".") for a in anchors)
+        parts = module.split(".")
+        inside = any(".".join(parts[:k]) in anchors for k in range(1, len(parts) + 1))
         if block_of(p.name) is not None and not inside and module not in rows and _replicated(p):
             out.append(CollectiveSite(module, "all_reduce", "backward", fixed=_numel(p.shape), when="train",
                                       style="sequence", note="gradient of a replicated parameter that sees "

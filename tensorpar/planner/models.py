@@ -15,7 +15,6 @@ keys of every layer).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from .layout import check_size
 
@@ -181,22 +180,16 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
-def get_model(name_or_path: str, *, seq: int | None = None) -> ModelSpec:
-    """A preset by name, or a model read from a Hugging Face ``config.json`` (a file or a folder
-    holding one)."""
-    key = str(name_or_path).strip().lower()
-    if key in PRESETS:
-        spec = PRESETS[key]
-        return spec if seq is None else _replace(spec, seq=seq, seq_source="given")
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.suffix == ".json" or path.exists():
-        from .hfconfig import from_hf_config  # imported here: hfconfig imports this module
-
-        return from_hf_config(path, seq=seq)
-    raise ValueError(f"unknown model {name_or_path!r}; valid: {', '.join(PRESETS)}, "
-                     "or the path of a Hugging Face config.json")
+def get_model(name: str, *, seq: int | None = None) -> ModelSpec:
+    """A preset by name. A Hugging Face ``config.json`` is read by :func:`tensorpar.planner.
+    from_hf_config` (shapes of the six types the templates know) or planned as the runtime splits
+    it (``tensorpar.sharding.inventory.MetaSource``: any type)."""
+    key = str(name).strip().lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(PRESETS)}, "
+                         "or the path of a Hugging Face config.json")
+    spec = PRESETS[key]
+    return spec if seq is None else _replace(spec, seq=seq, seq_source="given")
 
 
 def _replace(spec: ModelSpec, **changes) -> ModelSpec:

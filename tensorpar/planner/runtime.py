@@ -2,7 +2,7 @@
 
 ``predict_from_inventory(inv, batch, seq, bytes_per_elem, workload)`` is
 :func:`tensorpar.planner.predict.predict_collectives` with the items read from a
-:class:`~tensorpar.planner.inventory.ModelInventory` instead of the five families' formulas: each
+:class:`~tensorpar.architecture.split_model.SplitModel` instead of the five families' formulas: each
 collective site of the inventory, once per step of the workload that runs it, with its payload at
 that step's ``batch x seq`` tokens:
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .collectives import ring_bytes_sent
-from .inventory import CollectiveSite, ModelInventory
+from tensorpar.architecture.split_model import CollectiveSite, ModelInventory
 from .predict import (BACKENDS, CANDIDATE_BYTES, PredictedCollective, RuntimePrediction, _check_args, _merge,
                       _notes, _steps, _totals, candidates_per_rank)
 

@@ -13,11 +13,11 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .feasibility import valid_tp_sizes
 from .hardware import Hardware
 from .layout import Layout, check_size
-from .models import ModelSpec, divisors
+from .models import divisors
 from .report import PlanReport, plan
+from .source import source_of
 
 
 @dataclass
@@ -36,10 +36,11 @@ class SearchResult:
         return json.dumps(self.to_dict(), **kwargs)
 
 
-def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: int = 1,
+def search(model, hardware: Hardware, *, devices: int, micro_batch: int = 1,
            global_batch: int | None = None, workload: str = "train", latency_s: float = 10e-6,
            **layout_options) -> SearchResult:
-    """Every ``tp x pp x dp = devices`` layout, planned and ranked (feasible first).
+    """Every ``tp x pp x dp = devices`` layout of ``model`` (a ModelSpec or a model source),
+    planned and ranked (feasible first).
 
     ``global_batch`` is fixed across layouts (default ``micro_batch x devices``) so that every
     layout does the same work; ``latency_s`` is the per-collective latency of the estimates
@@ -48,6 +49,7 @@ def search(model: ModelSpec, hardware: Hardware, *, devices: int, micro_batch: i
     check_size("devices", devices)
     gb = micro_batch * devices if global_batch is None else global_batch
     Layout(micro_batch=micro_batch, global_batch=gb, workload=workload, **layout_options)  # validate once
+    model = source_of(model)  # one source: each tp split once for all its layouts
     rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, latency_s,
                        layout_options) for tp in divisors(devices) for pp in divisors(devices // tp)]
     objective = "step_time" if workload == "train" else "decode_time_per_token"
@@ -179,12 +181,12 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds:.3f} s" if seconds >= 1 else f"{seconds * 1e3:.3f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.1f} us"
 
 
-def tp_sweep(model: ModelSpec, layout: Layout, hardware: Hardware) -> list[dict]:
+def tp_sweep(model, layout: Layout, hardware: Hardware) -> list[dict]:
     """Memory per device and communication per step for every valid tp, the rest of ``layout``
     unchanged, so the device count ``tp x pp x dp`` grows with tp (the data behind
     ``tensorpar plan --plot``)."""
-    rows = []
-    for tp in valid_tp_sizes(model):
+    model, rows = source_of(model), []
+    for tp in model.valid_tp_sizes():
         r = plan(model, replace(layout, tp=tp), hardware)
         rows.append({"tp": tp, "devices": tp * layout.pp * layout.dp, "feasible": r.feasible,
                      "memory_per_device": r.memory_per_device,

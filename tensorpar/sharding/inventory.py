@@ -1,5 +1,6 @@
-"""The :class:`~tensorpar.planner.inventory.ModelInventory` of any model ``parallelize`` splits,
-from its config alone: no weights read, no forward run.
+"""The :class:`~tensorpar.architecture.split_model.SplitModel` of any model ``parallelize`` splits,
+from its config alone: no weights read, no forward run. The planner's meta-device producer
+(:class:`MetaSource`; the templates of ``tensorpar.architecture.templates`` are the other one).
 
 ``build_inventory(config_or_path, tp)`` builds the model on the meta device and, for every rank
 ``r``, runs ``parallelize(copy, tp_group=PlanningGroup(tp, r), prove=False)``: the real
@@ -15,13 +16,17 @@ inexact, and the registry does not name, is counted here as split. From those mo
   what a vocabulary split, a column or row split inside or outside a region, a region entry and
   exit, a replicated KV head and a gradient-synchronised parameter issue per forward call;
 - the FLOPs of every weight matrix, and the attention layers: heads per rank, head sizes,
-  window, KV-cache elements per token (transformers' own cache layer types).
+  window, KV-cache elements per token (transformers' own cache layer types);
+- what each block keeps for its backward (:func:`layer_activations`: Korthikanti et al. 2022's
+  tensor-by-tensor count, generalised over the block's modules and their styles).
 
-``predict_collectives`` then returns the planner's ``RuntimePrediction`` for any architecture.
+``predict_collectives`` then returns the planner's ``RuntimePrediction`` for any architecture, and
+:class:`MetaSource` hands the planner the split at each tp it asks for (built once per tp).
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -32,11 +37,17 @@ from torch import nn
 from tensorpar.dist.groups import PlanningGroup
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.norm import ShardedRMSNorm
-from tensorpar.planner.inventory import AttentionLayer, CollectiveSite, Matmul, ModelInventory, ParamShards, RankShard
+from tensorpar.architecture.split_model import (AttentionLayer, CollectiveSite, LayerActivations, Matmul, ParamShards,
+                                                RankShard, SplitModel)
+from tensorpar.planner.runtime import predict_from_inventory
+from tensorpar.sharding.pipeline import parallelize
 from tensorpar.sharding.commit import module_heads
 from tensorpar.sharding.marks import _is_experts
-from tensorpar.sharding.plan import Placement, parent_name
-from tensorpar.sharding.sizes import meta_model, model_dims, text_config
+from tensorpar.architecture import configs
+from tensorpar.architecture.plans import parent_name
+from tensorpar.sharding.model_classes import meta_model, model_class
+from tensorpar.sharding.records import Placement
+from tensorpar.sharding.sizes import model_dims, text_config
 from tensorpar.sharding.styles import STYLES
 
 EXPERT_COUNT = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -78,7 +89,6 @@ def load_config(config_or_path):
 
 def _meta_model(config, head: bool):
     import transformers
-    from tensorpar.models.testing import model_class
     declared = (getattr(config, "architectures", None) or [None])[0] if head else None
     cls = getattr(transformers, declared, None) if declared else None
     try:
@@ -89,22 +99,26 @@ def _meta_model(config, head: bool):
 
 
 def _split(model, tp: int, rank: int):
-    from tensorpar.sharding.pipeline import parallelize
-    out = copy.deepcopy(model)
+    out = copy.deepcopy(model)  # a copy costs a quarter of building the meta model again
     parallelize(out, tp_group=PlanningGroup(tp, rank), prove=False)
     return out
 
 
 # ---- the inventory ----------------------------------------------------------------------------
 
-def build_inventory(config_or_path, tp: int, *, head: bool = True) -> ModelInventory:
-    """The inventory of the model of ``config_or_path`` split over ``tp`` ranks. ``head``: the
-    model with its output head (the causal-LM class, the masked-LM class of an encoder), else the
-    bare model. ValueError when tensorpar cannot split it at this tp, with the reason."""
+def build_inventory(config_or_path, tp: int, *, head: bool = True) -> SplitModel:
+    """The model of ``config_or_path`` split over ``tp`` ranks. ``head``: the model with its
+    output head (the causal-LM class, the masked-LM class of an encoder), else the bare model.
+    ValueError when tensorpar cannot split it at this tp, with the reason."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp ({tp!r}) must be a positive integer")
     config, name = load_config(config_or_path)
-    dense = _meta_model(config, head)
+    return split_meta(_meta_model(config, head), config, name, tp, head=head)
+
+
+def split_meta(dense, config, name, tp: int, *, head: bool) -> SplitModel:
+    """:func:`build_inventory` of a meta model already built (``dense`` is left as it is: each
+    rank splits a copy), so that a source builds it once for every tp it plans."""
     ranks = [_split(dense, tp, r) for r in range(tp)]
     report, dims, text = ranks[0].tp_report, model_dims(dense), text_config(config)
     params = param_shards(dense, ranks)
@@ -112,16 +126,21 @@ def build_inventory(config_or_path, tp: int, *, head: bool = True) -> ModelInven
         why = "; ".join(f"{k}: {v}" for k, v in report.whole.items()) or "its plan splits no module"
         raise ValueError(f"tensorpar splits nothing of {type(dense).__name__} at tp {tp} ({why})")
     feas = report.feasibility
-    return ModelInventory(
+    attention = tuple(attention_layers(dense, ranks[0], dims, text, tp))
+    mats = tuple(matmuls(dense, ranks, text))
+    return SplitModel(
         name=str(name), model_type=config.model_type, model_class=type(dense).__name__, tp=tp,
         plan_source=report.source, head=head, causal=_causal(dense), layers=_layers(text),
         hidden=dims.hidden if dims else 0, vocab=dims.vocab if dims else 0,
         params=tuple(params), sites=tuple(collective_sites(ranks[0], dims)),
-        matmuls=tuple(matmuls(dense, ranks, text)), attention=tuple(attention_layers(dense, ranks[0], dims, text, tp)),
+        matmuls=mats, attention=attention,
         dtype_bytes=_dtype_bytes(text), n_experts=_first(text, EXPERT_COUNT), top_k=_first(text, EXPERT_TOP_K),
         valid_tp_sizes=tuple(feas.valid_tp_sizes) if feas else (), fixes=tuple(report.notes),
         whole=dict(report.whole), notes=tuple(_notes(dense, report)), plan=dict(report.styles),
-        sharded_head=_sharded_head(ranks[0]))
+        sharded_head=_sharded_head(ranks[0]),
+        activations=tuple(layer_activations(dense, params, {m.name for m in mats}, attention, dims, text, tp)),
+        dropout=_dropout(text, _RESIDUAL_DROPOUT), heads=dims.n_heads if dims else 0,
+        kv_heads=dims.n_kv_heads if dims else 0, head_dim=dims.head_dim if dims else 0)
 
 
 def _first(config, names):
@@ -146,7 +165,6 @@ def _causal(model) -> bool:
     ``tensorpar.models.generation`` passes it) and it is no encoder. An encoder: a masked-LM type,
     or a model whose layers say ``is_decoder = False`` (BERT's kin read it to mask and to cache),
     neither configured as a decoder nor an encoder-decoder."""
-    import inspect
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
     config = model.config
     takes_cache = any(k in inspect.signature(type(model).forward).parameters for k in ("past_key_values", "cache"))
@@ -495,7 +513,195 @@ def predict_collectives(config_or_path, tp: int, batch: int, seq: int, bytes_per
     """The planner's ``RuntimePrediction`` (``tensorpar.planner.predict``) of ``workload`` for any
     architecture ``parallelize`` splits: ``forward`` runs the bare model, every other workload the
     model with its output head."""
-    from tensorpar.planner.runtime import predict_from_inventory
     inv = build_inventory(config_or_path, tp, head=workload != "forward")
     return predict_from_inventory(inv, batch, seq, bytes_per_elem, workload, new_tokens=new_tokens,
                                   candidates=candidates, backend=backend)
+
+
+# ---- activations: what each block keeps for its backward --------------------------------------------------
+
+# Dropout probabilities transformers' configurations name: on the residual stream (and the
+# embedding's output), and on the attention probabilities.
+_RESIDUAL_DROPOUT = ("resid_pdrop", "hidden_dropout_prob", "hidden_dropout", "residual_dropout", "dropout")
+_SCORE_DROPOUT = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
+
+
+def _dropout(config, names) -> bool:
+    return any(isinstance(p := getattr(config, n, None), (int, float)) and not isinstance(p, bool) and p > 0
+               for n in names)
+
+
+def _is_norm(module) -> bool:
+    w = getattr(module, "weight", None)
+    return "Norm" in type(module).__name__ and w is not None and w.dim() == 1
+
+
+def _in_out(module, p) -> tuple[int, int]:
+    """``(in, out)`` of a dense weight matrix: ``nn.Linear`` stores ``(out, in)``, GPT-2's
+    ``Conv1D`` ``(in, out)``."""
+    rows, cols = p.shape
+    return (rows, cols) if type(module).__name__ == "Conv1D" else (cols, rows)
+
+
+def _matrix_terms(dense, shards: dict, name: str, tp: int, hidden: int, top_k: int) -> tuple[int, list]:
+    """``(replicated, per-rank sharded)`` elements per token a weight matrix's neighbours keep:
+    a column split's output (the next op's input), a row split's input, an unsplit matrix's
+    output; an expert tensor ``top_k`` times its intermediate, this rank's share of it."""
+    owner, _, _ = name.rpartition(".")
+    p, shard = dense.get_parameter(name), shards[name]
+    local = [r.numel for r in shard.ranks]
+    if p.dim() == 3:  # (E, a, b): each token visits top_k experts; the width is the non-hidden dim
+        width = p.shape[2] if p.shape[1] == hidden else p.shape[1]
+        return 0, [top_k * width * n // p.numel() for n in local]
+    inp, out = _in_out(dense.get_submodule(owner), p)
+    kind = STYLES[shard.style].kind if shard.style in STYLES else "replicate"
+    if kind == "param":
+        kind = "row" if "row" in shard.style else "column"
+    if kind == "column":
+        return 0, [n // inp for n in local]
+    if kind == "row":
+        return 0, [n // out for n in local]
+    return out, [0] * tp
+
+
+def _norm_terms(name: str, module, shards: dict, heads: tuple, kv: tuple, dims, tp: int):
+    """A sharded norm keeps its shard of the input; a per-head one (Qwen3's ``q_norm``,
+    ``k_norm``: one head's width) its input, this rank's heads' worth; any other its input and
+    its output (the next projection's input)."""
+    shard = shards.get(f"{name}.weight")
+    width = module.weight.numel()
+    if shard is not None and shard.style in STYLES and STYLES[shard.style].kind == "norm":
+        return 0, [r.numel for r in shard.ranks]
+    if width == dims.head_dim != dims.hidden:
+        per = kv if name.rpartition(".")[2].startswith("k") else heads
+        return 0, [width * h for h in per]
+    return 2 * width, [0] * tp
+
+
+def _block_terms(dense, name, module, shards, matrices, a, dims, tp, top_k) -> list:
+    """``(replicated, per-rank sharded)`` terms of one module of a block: a norm, and each
+    weight matrix it holds."""
+    heads = a.heads if a else (dims.n_heads,) * tp
+    kv = tuple(k // (2 * dims.head_dim) for k in a.kv) if a and dims.head_dim else heads
+    terms = [_norm_terms(name, module, shards, heads, kv, dims, tp)] if _is_norm(module) else []
+    for pname, p in module._parameters.items():
+        if p is not None and f"{name}.{pname}" in matrices:
+            terms.append(_matrix_terms(dense, shards, f"{name}.{pname}", tp, dims.hidden, top_k))
+    return terms
+
+
+def layer_activations(dense, params, matrices, attention, dims, config, tp: int) -> list:
+    """:class:`LayerActivations` of every block (the modules under an index: ``model.layers.3``),
+    from its norms and weight ``matrices`` and the styles that split them, its attention layer's
+    heads, and the config's dropout (two residual masks per block, one on the scores)."""
+    if dims is None:
+        return []
+    shards = {p.name: p for p in params}
+    attn = {a.index: a for a in attention}
+    top_k = _first(config, EXPERT_TOP_K) or 1
+    blocks: dict = {}
+    for name, module in dense.named_modules():
+        i = _layer_index(name)
+        if i is None:
+            continue
+        block = blocks.setdefault(i, [0, [0] * tp])
+        for rep, sharded in _block_terms(dense, name, module, shards, matrices, attn.get(i), dims, tp, top_k):
+            block[0] += rep
+            block[1] = [x + y for x, y in zip(block[1], sharded)]
+    masks = 2 * dims.hidden if _dropout(config, _RESIDUAL_DROPOUT) else 0
+    drop = _dropout(config, _SCORE_DROPOUT)
+    return [LayerActivations(i, rep, masks, tuple(sharded), attn[i].heads if i in attn else (0,) * tp,
+                             drop and i in attn)
+            for i, (rep, sharded) in sorted(blocks.items())]
+
+
+# ---- the planner's source --------------------------------------------------------------------------------
+
+class MetaSource:
+    """A model the planner plans from its config (:mod:`tensorpar.planner.source`): the split at
+    each tp built once, on the meta device, as ``parallelize`` would split it. ``seq``: the
+    sequence planned for (default: the config's position limit, else 2048)."""
+
+    def __init__(self, config_or_path, *, seq: int | None = None):
+        self._label = config_or_path if isinstance(config_or_path, (str, Path)) else None
+        self.config, self.name = _named(SimpleNamespace(model_type=_kind(config_or_path)), self._label,
+                                        lambda: load_config(config_or_path))
+        self._splits: dict = {}
+        self.seq, self.seq_source = self._sequence(seq)
+        self._dense = None
+
+    def _sequence(self, seq: int | None) -> tuple[int, str]:
+        """The sequence planned for and where it comes from: ``--seq``, the text model's position
+        limit (its field named), else 2048."""
+        if seq is not None:
+            return seq, "--seq"
+        text = text_config(self.config)
+        field = next((n for n in configs.NAMES["positions"] if configs.is_count(configs.get(text, n))), None)
+        if field is None:
+            return 2048, "default 2048 (the config gives no position limit)"
+        return configs.get(text, field), f"{field} in {self._label or self.name}"
+
+    def at(self, tp: int) -> SplitModel:
+        """The split at ``tp``; ValueError with the reason when tensorpar cannot split it there, and
+        one line naming the config when transformers refuses it or the model cannot be built."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp ({tp!r}) must be a positive integer")
+        if tp not in self._splits:
+            self._splits[tp] = _named(self.config, self._label or self.name, lambda: self._split(tp))
+        return self._splits[tp]
+
+    def _split(self, tp: int) -> SplitModel:
+        if self._dense is None:  # built once: a full-size meta model costs seconds
+            self._dense = _meta_model(self.config, head=True)
+        return split_meta(self._dense, self.config, self.name, tp, head=True)
+
+    def valid_tp_sizes(self) -> list:
+        return list(self.at(1).valid_tp_sizes)
+
+    def describe(self) -> dict:
+        one = self.at(1)
+        windows = [a.window for a in one.attention if a.window]
+        return {"name": str(self.name), "family": one.model_type, "model_type": one.model_type,
+                "model_class": one.model_class, "plan_source": one.plan_source, "layers": one.layers,
+                "hidden": one.hidden, "heads": one.heads, "kv_heads": one.kv_heads, "head_dim": one.head_dim,
+                "vocab": one.vocab, "seq": self.seq, "seq_source": self.seq_source, "causal": one.causal,
+                "n_experts": one.n_experts, "top_k": one.top_k, "sliding_window": max(windows, default=None),
+                "window_layers": len(windows) or None}
+
+
+# What transformers raises for a config its configuration class refuses (a validator's error, a
+# size that divides by zero), and what building a model tensorpar cannot plan raises (a vision or
+# audio model missing what a text model has): named, in one line.
+_BUILD_ERRORS = (TypeError, AttributeError, KeyError, IndexError, ZeroDivisionError, RuntimeError,
+                 NotImplementedError, AssertionError)
+
+
+def _kind(config_or_path) -> str:
+    """The model type a config names, for a message about it (before transformers reads it)."""
+    if isinstance(config_or_path, (str, Path)):
+        path = Path(config_or_path)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return "?"
+        return str(d.get("model_type")) if isinstance(d, dict) else "?"
+    return str(getattr(config_or_path, "model_type", None) or dict(config_or_path).get("model_type"))
+
+
+def _named(config, name, build):
+    from huggingface_hub.errors import StrictDataclassError
+    try:
+        return build()
+    except StrictDataclassError as exc:  # a validator of the configuration class: its own words
+        raise ValueError(f"{name}: transformers refuses this {config.model_type} config: "
+                         f"{_words(exc.__cause__ or exc)}") from None
+    except _BUILD_ERRORS as exc:
+        raise ValueError(f"{name}: tensorpar cannot build and split this {config.model_type} model for a plan "
+                         f"({type(exc).__name__}: {_words(exc)})") from None
+
+
+def _words(exc) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+

@@ -1,12 +1,13 @@
-"""A model as tensorpar's runtime splits it, as plain data: the :class:`ModelInventory`.
+"""A model as tensorpar's runtime splits it over ``tp`` ranks, as plain data: :class:`SplitModel`.
 
-``tensorpar.sharding.inventory.build_inventory`` fills it from a config alone: it resolves the
-plan ``parallelize`` would apply and runs the real builders for every rank on a model on the meta
-device (no weights read, no forward run). Everything the planner needs then lives here, with the
-standard library only:
+Two producers build it, and the planner never knows which one ran: the meta-device producer
+(``tensorpar.sharding.inventory.build_inventory``: the plan ``parallelize`` would apply, resolved
+and built for every rank on a model on the meta device, from any ``config.json``) and the
+templates (:mod:`tensorpar.architecture.templates`: the gpt and llama shapes worked out by hand,
+standard library only). Everything the planner needs lives here, with the standard library only:
 
 - **parameters**: every dense tensor (tied ones once), the style that splits it and the shard
-  each rank holds (``ShardSpec``: pieces of one dim, padding, transpose), so parameter counts and
+  each rank holds (``RankShard``: pieces of one dim, padding, transpose), so parameter counts and
   bytes per rank are sums of shapes, vocabulary padding included;
 - **collective sites**: each collective the runtime issues per forward call of a module, its
   payload per token (activations) or per call (parameter gradients), and when it runs;
@@ -16,10 +17,12 @@ standard library only:
 - **attention layers**: query heads per rank and head sizes for the attention core,
   ``2 c h (d_qk + d_v)`` FLOPs per token attending to ``c`` keys (``Q K^T`` and ``P V``), and the
   KV-cache elements each rank stores per token, with the layer's window (a sliding-window layer
-  keeps its last ``W - 1`` tokens, as transformers' ``DynamicSlidingWindowLayer``).
+  keeps its last ``W - 1`` tokens, as transformers' ``DynamicSlidingWindowLayer``);
+- **activations**: per block, the tensors it keeps for its backward, per token
+  (:class:`LayerActivations`, the tensor-by-tensor count of Korthikanti et al. 2022, Sec. 4.1).
 
-``to_dict`` / ``from_dict`` round-trip through JSON, so an inventory saved once is planned later
-without torch.
+``to_dict`` / ``from_dict`` round-trip through JSON, so a split model saved once is planned later
+without torch. ``ModelInventory`` is its former name.
 """
 from __future__ import annotations
 
@@ -127,12 +130,47 @@ class AttentionLayer:
 
 
 @dataclass(frozen=True)
-class ModelInventory:
+class LayerActivations:
+    """What block ``index`` keeps for its backward, per token of a micro-batch (Korthikanti et al.
+    2022, Sec. 4.1, tensor by tensor, no FlashAttention):
+
+    - ``replicated``: elements every tp rank holds whole (each norm's input and output, the
+      inputs of the column-split projections); sequence parallelism splits them over the ranks;
+    - ``masks``: bytes of dropout masks on those tensors (1 byte per element);
+    - ``sharded[r]``: elements rank r holds of the split tensors: a column split's output
+      (queries, keys, values, the MLP's intermediate), a row split's input, per-head norms' inputs,
+      an expert's intermediate ``top_k`` times;
+    - ``score_heads[r]``: query heads whose softmax output (one element per key) rank r keeps,
+      and with ``score_dropout`` its dropout mask (1 byte) and output (one element) as well.
+    """
+    index: int
+    replicated: int
+    masks: int
+    sharded: tuple
+    score_heads: tuple
+    score_dropout: bool = False
+
+    def bytes_per_token(self, rank: int, keys: int, bytes_per_elem: int, *, tp: int = 1,
+                        sequence_parallel: bool = False, recompute: str = "none") -> float:
+        """Bytes rank ``rank`` keeps per token, the scores over ``keys`` keys; selective
+        recomputation drops the scores (Korthikanti et al. 2022, Sec. 4.2)."""
+        e = bytes_per_elem
+        whole = self.replicated * e + self.masks
+        out = (whole / tp if sequence_parallel else float(whole)) + self.sharded[rank] * e
+        if recompute == "none":
+            out += self.score_heads[rank] * keys * (2 * e + 1 if self.score_dropout else e)
+        return out
+
+
+@dataclass(frozen=True)
+class SplitModel:
     """A model split over ``tp`` ranks by tensorpar's runtime (see the module docstring).
 
     ``plan``: the resolved plan (``model.tp_report.styles``); ``params``, ``sites``, ``matmuls``,
-    ``attention``: what it makes of each tensor, collective, weight matrix and attention layer;
-    ``whole``: blocks left whole and why; ``fixes``: KV-head replication, vocabulary padding."""
+    ``attention``, ``activations``: what it makes of each tensor, collective, weight matrix,
+    attention layer and block; ``whole``: blocks left whole and why; ``fixes``: KV-head
+    replication, vocabulary padding; ``dropout``: dropout on the residual stream (the embedding's
+    output too); ``heads``, ``kv_heads``, ``head_dim``: the config's attention sizes (0: none)."""
     name: str
     model_type: str
     model_class: str
@@ -156,6 +194,11 @@ class ModelInventory:
     notes: tuple = ()
     plan: dict = field(default_factory=dict)  # module or parameter name -> style, as parallelize applies it
     sharded_head: bool = False  # output head split by vocabulary: training keeps the logits sharded
+    activations: tuple = ()
+    dropout: bool = False
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
 
     # ---- parameters ---------------------------------------------------------------------------
 
@@ -206,7 +249,7 @@ class ModelInventory:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelInventory":
+    def from_dict(cls, d: dict) -> "SplitModel":
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["params"] = tuple(ParamShards(**{**p, "shape": tuple(p["shape"]), "tied": tuple(p["tied"]),
                                             "ranks": tuple(_rank_shard(s) for s in p["ranks"])})
@@ -215,9 +258,15 @@ class ModelInventory:
         kw["matmuls"] = tuple(Matmul(**{**m, "ranks": tuple(m["ranks"])}) for m in d["matmuls"])
         kw["attention"] = tuple(AttentionLayer(**{**a, "heads": tuple(a["heads"]), "kv": tuple(a["kv"])})
                                 for a in d["attention"])
+        kw["activations"] = tuple(LayerActivations(**{**a, "sharded": tuple(a["sharded"]),
+                                                       "score_heads": tuple(a["score_heads"])})
+                                  for a in d.get("activations", ()))
         for key in ("valid_tp_sizes", "fixes", "notes"):
             kw[key] = tuple(d.get(key, ()))
         return cls(**kw)
+
+
+ModelInventory = SplitModel  # the former name
 
 
 def _rank_shard(s: dict) -> RankShard:
