@@ -207,7 +207,7 @@ def test_registry_plans_pass_their_own_checks():
 
 def _matches(model, pattern) -> bool:
     from tensorpar.architecture.plans import relative_names
-    from tensorpar.sharding.plan import base_prefix
+    from tensorpar.sharding.records import base_prefix
     rx = compile_plan({pattern: "replicate"}, STYLE_NAMES)
     return any(match_style(rx, relative_names(n, base_prefix(model))) for n, _ in model.named_modules())
 

@@ -1,7 +1,7 @@
 """tensorpar.sharding: plans and their application, from a model's declaration to its proof.
 
 ``parallelize`` (:mod:`.pipeline`) walks one way, each step a module handing a typed record
-(:mod:`.plan`) to the next: :mod:`.declare` -> :mod:`.resolve` -> :mod:`.check` -> :mod:`.place`
+(:mod:`.records`) to the next: :mod:`.declare` -> :mod:`.resolve` -> :mod:`.check` -> :mod:`.place`
 -> :mod:`.commit` -> :mod:`.prove`. Beside them:
 
 - :mod:`.sizes`: a model's sizes from its config and attention modules;

@@ -33,7 +33,7 @@ from tensorpar.architecture.tp_rules import Dims, FeasibilityReport, Size, fits,
 from tensorpar.sharding.declare import declare
 from tensorpar.sharding.marks import region_of, regions
 from tensorpar.sharding.model_classes import meta_model
-from tensorpar.sharding.plan import Resolution, base_prefix
+from tensorpar.sharding.records import Resolution, base_prefix
 from tensorpar.sharding.resolve import resolve
 from tensorpar.sharding.sizes import model_type
 from tensorpar.sharding.styles import COLUMN_STYLES, REGION_STYLES, ROW_STYLES, STYLES, splits_module

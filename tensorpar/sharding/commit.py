@@ -22,7 +22,7 @@ from tensorpar.architecture.tp_rules import kv_split, local_heads
 from tensorpar.nn import ReplicatedHeadLinear, RowParallelLinear, regions
 from tensorpar.nn.random import _TP_SEED_OFFSET, TP_RNG, RNGStatesTracker
 from tensorpar.sharding import marks
-from tensorpar.sharding.plan import Shards
+from tensorpar.sharding.records import Shards
 from tensorpar.sharding.sizes import attention_dims
 from tensorpar.sharding.spec import ShardSpec
 

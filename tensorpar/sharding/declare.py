@@ -10,7 +10,7 @@ from __future__ import annotations
 from tensorpar.architecture import registry
 from tensorpar.architecture.plans import pattern_regex
 from tensorpar.sharding import declared
-from tensorpar.sharding.plan import Declaration, base_prefix
+from tensorpar.sharding.records import Declaration, base_prefix
 from tensorpar.sharding.sizes import model_type, text_config
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from tensorpar.architecture.plans import generic, parent_name
 from tensorpar.architecture.tp_rules import Dims
-from tensorpar.sharding.plan import Placement, Resolution
+from tensorpar.sharding.records import Placement, Resolution
 from tensorpar.sharding.sizes import attention_dims
 from tensorpar.sharding.styles import STYLES, splits_module
 

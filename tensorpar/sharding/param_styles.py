@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tensorpar.sharding.plan import Built
+from tensorpar.sharding.records import Built
 from tensorpar.sharding.spec import ShardSpec, even_pieces, segment_pieces
 
 

@@ -1,6 +1,6 @@
 """``parallelize``: a plan applied to a model, in place, exactly or not at all.
 
-The work walks one way, each step a module handing a typed record (:mod:`.plan`) to the next:
+The work walks one way, each step a module handing a typed record (:mod:`.records`) to the next:
 
 1. **declare** (:mod:`.declare`): which plan, in tensorpar's styles (the registry's, the model's
    declaration translated, the user's, or none: pairs to discover) -> ``Declaration``;

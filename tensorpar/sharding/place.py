@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tensorpar.nn.layers import tp_info
 from tensorpar.sharding import marks
-from tensorpar.sharding.plan import Resolution, Shards, StyleContext
+from tensorpar.sharding.records import Resolution, Shards, StyleContext
 from tensorpar.sharding.sizes import attention_dims
 from tensorpar.sharding.styles import STYLES
 

@@ -2,7 +2,7 @@
 
 ``resolve`` expands the declaration's patterns to the model's concrete module and parameter
 names (for a model nothing declares, pairs discovered numerically, :mod:`.discover`), and
-completes them into a :class:`~tensorpar.sharding.plan.Resolution`:
+completes them into a :class:`~tensorpar.sharding.records.Resolution`:
 
 - **regions**: a declared plan names column and row linears only; each row linear's parent
   becomes a region (``attention`` for attention modules, ``mlp``, or ``moe`` when it holds the
@@ -30,7 +30,7 @@ from tensorpar.architecture.plans import compile_plan, generic, match_style, pat
 from tensorpar.sharding import discover
 from tensorpar.sharding.marks import (EXPERTS, _ancestors, _split_names, _within, derive_regions, drop_whole,
                                       mark_grad_sync, mark_kv, mark_moe_mlps)
-from tensorpar.sharding.plan import Declaration, Placement, Resolution, base_prefix
+from tensorpar.sharding.records import Declaration, Placement, Resolution, base_prefix
 from tensorpar.sharding.probes import example_inputs as default_inputs
 from tensorpar.sharding.replica import replica_of
 from tensorpar.sharding.sizes import model_dims

@@ -29,7 +29,7 @@ from tensorpar.nn.rebase import column_parallel_like, vocab_parallel_like
 from tensorpar.nn.regions import sync_rows_grad
 from tensorpar.sharding.param_styles import (param_colwise, param_heads, param_packed_colwise, param_packed_rowwise,
                                              param_rank0, param_rowwise)
-from tensorpar.sharding.plan import Built, StyleContext
+from tensorpar.sharding.records import Built, StyleContext
 from tensorpar.sharding.spec import ShardSpec, even_pieces, segment_pieces
 
 
