@@ -17,7 +17,7 @@ EXACT = 1e-12
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from tensorpar.models.testing import make_tiny_checkpoint
+    from tensorpar.models.tiny import make_tiny_checkpoint
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("interop") / "llama", "llama")
     return dist.launch(W.pytorch_apis_worker, 2, str(path), deadline=300)
 
