@@ -26,4 +26,10 @@ MUTANTS = [
     M("graph: a stdlib import deferred into a function", "data/tokens.py",
       "mode = path.stat().st_mode", "import stat; mode = path.stat().st_mode",
       (G, "-k", "deferred")),
+    M("graph: a one-letter module alias (C, the collectives here, sharding's commit elsewhere)", "dist/mappings.py",
+      "from tensorpar.dist import collectives", "from tensorpar.dist import collectives as C",
+      (G, "-k", "aliases")),
+    M("graph: F for another module than torch.nn.functional", "reference/advice.py",
+      "from __future__ import annotations", "from __future__ import annotations; from tensorpar.reference import costs as F",
+      (G, "-k", "aliases")),
 ]
