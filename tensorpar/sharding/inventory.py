@@ -32,6 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from tensorpar.dist.groups import PlanningGroup
@@ -92,7 +93,8 @@ def _meta_model(config, head: bool):
     declared = (getattr(config, "architectures", None) or [None])[0] if head else None
     cls = getattr(transformers, declared, None) if declared else None
     try:
-        return meta_model(config, cls or model_class(config, head))
+        with torch.device("meta"):  # buffers too: a full-size rotary or mask table is gigabytes (DeepSeek-V3: 28 GiB)
+            return meta_model(config, cls or model_class(config, head))
     except Exception as exc:  # noqa: BLE001 - any failure to build: the model cannot be planned
         raise ValueError(f"cannot build a {config.model_type} model from this config on the meta device "
                          f"({type(exc).__name__}: {exc})") from None
