@@ -155,7 +155,9 @@ def _launch_fault(name, tmp, *args) -> tuple[str, str]:
     from tests import _dist_workers as W
 
     os.environ["TENSORPAR_CHECK_COLLECTIVES"] = "0"  # what a user's launch does by default
-    os.environ["TENSORPAR_UNRESPONSIVE_TIMEOUT"] = "3" if name == "silent" else "30"
+    os.environ.pop("TENSORPAR_UNRESPONSIVE_TIMEOUT", None)  # the defaults a user's launch has
+    if name == "silent":
+        os.environ["TENSORPAR_UNRESPONSIVE_TIMEOUT"] = "3"
     if name == "pid_file":
         world, bad, how = args
         with tempfile.TemporaryDirectory() as d:
@@ -371,13 +373,26 @@ def _cmdline(pid) -> str:
         return ""
 
 
+# Set in this run's environment, so that its processes (which inherit it, orphaned or not) are told
+# from others' on the same machine (another checkout's tests, a second run).
+RUN_MARK = "TENSORPAR_FAULTS_RUN_ID"
+
+
 def _is_ours(pid: int) -> bool:
-    """A sleep or a Python started from this checkout (what the cases run), orphaned or not;
-    not multiprocessing's resource tracker, which lives as long as its process by design."""
+    """A sleep or a Python started by this run (what the cases run), orphaned or not; not
+    multiprocessing's resource tracker, which lives as long as its process by design."""
     cmd = _cmdline(pid)
-    if "resource_tracker" in cmd or pid == os.getpid():
+    if "resource_tracker" in cmd or pid == os.getpid() or not _marked(pid):
         return False
     return cmd.startswith("sleep 300") or "multiprocessing.spawn" in cmd or "tensorpar" in cmd or "faults.py" in cmd
+
+
+def _marked(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{RUN_MARK}={os.environ[RUN_MARK]}".encode() in f.read().split(b"\0")
+    except (OSError, KeyError):
+        return False
 
 
 def totals(cases: list[Case], results: dict) -> dict:
@@ -402,6 +417,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--child"]:
         child([int(i) for i in argv[1].split(",")], argv[2])
         return 0
+    os.environ[RUN_MARK] = f"{os.getpid()}-{time.time_ns()}"
     write = Path(argv[argv.index("--write") + 1]) if "--write" in argv else None
     names = [a for i, a in enumerate(argv) if not a.startswith("--") and (i == 0 or argv[i - 1] != "--write")]
     cases = catalogue()
