@@ -115,3 +115,10 @@ def make_served_model(path, *, dtype=torch.float64, **sizes):
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False}))
     return path
+
+
+def tokenizer(path):
+    """The served model's tokenizer, as the server loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -61,12 +61,12 @@ class Job:
         return finished
 
     def _observe(self, choice: _Choice, now: float) -> None:
-        if self.first_token_s is None:
+        first = self.first_token_s is None
+        if first:
             self.first_token_s = now - self.t_arrival
-            if self.metrics is not None:
-                self.metrics.first_token(self.first_token_s)
-        elif self.metrics is not None and choice.last_t is not None:
-            self.metrics.token_gap(now - choice.last_t)
+        if self.metrics is not None:
+            self.metrics.token(self.first_token_s if first else None,
+                               None if choice.last_t is None else now - choice.last_t)
         choice.last_t = now
 
     def _take(self, c: int, tok: int) -> str | None:
