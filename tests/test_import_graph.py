@@ -59,9 +59,7 @@ HEAVY = frozenset({"torch", "transformers", "matplotlib", "numpy"})
 # the models.testing re-exports inventory.py still imports), which its own rework removes: named
 # here until then. A new problem there fails like any other; one that stops occurring only
 # leaves a stale name here.
-PLANNER_PENDING: frozenset = frozenset({
-    'production module named testing: tensorpar.models.testing',  # until tests/test_interop.py imports models.tiny
-})
+PLANNER_PENDING: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
