@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from tensorpar import planner as P
+from tensorpar import planner
 from tensorpar import plots
 from tensorpar.cli import progress
 from tensorpar.planner import hfconfig
@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
                     "device, every collective, lower bounds on step / decode / prefill time, "
                     "feasibility with fixes; or --search over tp x pp x dp.")
     m = p.add_argument_group("model (a preset or config.json, or the shapes)")
-    m.add_argument("--model", help=f"preset ({', '.join(P.MODEL_PRESETS)}) or a Hugging Face config.json")
+    m.add_argument("--model", help=f"preset ({', '.join(planner.MODEL_PRESETS)}) or a Hugging Face config.json")
     m.add_argument("--family", choices=("gpt", "llama"))
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab", "seq", "head-dim"):
         m.add_argument(f"--{name}", type=int)
@@ -56,7 +56,7 @@ def add_parser(subparsers) -> None:
                           "default) or adamw (moments in the model dtype, as tensorpar train keeps them)")
     lay.add_argument("--workload", choices=WORKLOADS, default="train")
     hw = p.add_argument_group("hardware (a preset, optionally overridden)")
-    hw.add_argument("--hardware", default="a100-80gb", help=f"preset: {', '.join(P.HARDWARE_PRESETS)}")
+    hw.add_argument("--hardware", default="a100-80gb", help=f"preset: {', '.join(planner.HARDWARE_PRESETS)}")
     hw.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
     hw.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
     hw.add_argument("--memory-gb", type=float, help="device memory, GB")
@@ -96,7 +96,7 @@ def model_source(args):
     if path is None:
         if args.inventory:
             raise ValueError(f"--inventory needs --model DIR or a config.json; got {args.model!r}")
-        return P.TemplateSource(build_model(args))
+        return planner.TemplateSource(build_model(args))
     shapes = [f"--{k.replace('_', '-')}" for k in SHAPES if getattr(args, k) is not None and k != "seq"]
     if shapes:
         raise ValueError(f"{', '.join(shapes)}: shape options describe a preset or --family model; "
@@ -115,23 +115,23 @@ def _check_counts(args) -> None:
         raise ValueError(f"--seq ({args.seq}) must be a positive integer")
 
 
-def build_model(args) -> P.ModelSpec:
+def build_model(args) -> planner.ModelSpec:
     """The model from a preset ``--model`` (shape options override it) or from the shape options alone."""
     given = {k: getattr(args, k) for k in SHAPES if getattr(args, k) is not None}
     if "seq" in given:
         given["seq_source"] = "--seq"
     if args.model:
-        base = P.get_model(args.model).to_dict()
+        base = planner.get_model(args.model).to_dict()
         if "hidden" in given or "heads" in given:
             base["head_dim"] = given.get("head_dim")  # re-derived unless given
         if "layers" in given and base["window_layers"] == base["layers"]:
             base["window_layers"] = None  # a window in every layer stays in every layer
-        return P.ModelSpec(**{**base, **given})
+        return planner.ModelSpec(**{**base, **given})
     missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if k not in given]
     if missing:
-        raise ValueError(f"give --model (one of: {', '.join(P.MODEL_PRESETS)}, or a config.json) "
+        raise ValueError(f"give --model (one of: {', '.join(planner.MODEL_PRESETS)}, or a config.json) "
                          f"or the shapes; missing: {', '.join(missing)}")
-    return P.ModelSpec(**given)
+    return planner.ModelSpec(**given)
 
 
 _HW_FLAGS = (("peak_tflops", "--peak-tflops"), ("hbm_gbps", "--hbm-gbps"), ("memory_gb", "--memory-gb"),
@@ -148,9 +148,9 @@ def check_hardware_flags(args) -> None:
         raise ValueError(f"--devices-per-node ({args.devices_per_node}) must be a positive integer")
 
 
-def build_hardware(args) -> P.Hardware:
+def build_hardware(args) -> planner.Hardware:
     check_hardware_flags(args)
-    base = P.get_hardware(args.hardware)
+    base = planner.get_hardware(args.hardware)
     if args.intra_node_link is not None and args.intra_node_link not in base.links:
         raise ValueError(f"--intra-node-link ({args.intra_node_link!r}) must be one of {base.name}'s links: "
                          f"{', '.join(base.links)}")
@@ -201,7 +201,7 @@ def main(args) -> int:
                 result = run_search(args, model, hardware)
         else:
             with phase(f"planning tp={layout.tp} pp={layout.pp} dp={layout.dp}"):
-                result = P.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
+                result = planner.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
                                 latency_s=latency_s(args))
     if args.plot:
         _plot(args, model, hardware, result)
@@ -212,9 +212,9 @@ def main(args) -> int:
     return 0 if _feasible(result) else 1
 
 
-def _layout(args) -> P.Layout:
+def _layout(args) -> planner.Layout:
     """The layout asked for, checked against ``--devices`` when given."""
-    layout = P.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+    layout = planner.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
                       global_batch=args.global_batch, workload=args.workload, **layout_options(args))
     if args.devices is not None and args.devices != layout.devices:
         raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
@@ -225,27 +225,27 @@ def _layout(args) -> P.Layout:
 
 def _feasible(result) -> bool:
     """Exit code 1 for a layout that does not fit (or a search that found none), like a failed proof."""
-    return result.best is not None if isinstance(result, P.SearchResult) else bool(result.feasible)
+    return result.best is not None if isinstance(result, planner.SearchResult) else bool(result.feasible)
 
 
 # ---- search and plot ---------------------------------------------------------------------------
 
-def run_search(args, model, hardware) -> P.SearchResult:
-    return P.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
+def run_search(args, model, hardware) -> planner.SearchResult:
+    return planner.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
                     global_batch=args.global_batch, workload=args.workload, latency_s=latency_s(args),
                     **layout_options(args))
 
 
 def _plot(args, model, hardware, result) -> None:
-    if isinstance(result, P.SearchResult):
+    if isinstance(result, planner.SearchResult):
         if result.best is None:
             raise ValueError("--plot needs a feasible layout; the search found none")
         best = result.best
-        base = P.Layout(tp=best["tp"], pp=best["pp"], dp=best["dp"], micro_batch=args.micro_batch,
+        base = planner.Layout(tp=best["tp"], pp=best["pp"], dp=best["dp"], micro_batch=args.micro_batch,
                         global_batch=args.global_batch or args.micro_batch * args.devices,
                         workload=args.workload, **layout_options(args))
     else:
-        base = P.Layout(**{k: v for k, v in result.layout.items() if k not in ("devices", "num_micro_batches")})
+        base = planner.Layout(**{k: v for k, v in result.layout.items() if k not in ("devices", "num_micro_batches")})
     rows = tp_sweep(model, base, hardware)
     step = "per step" if base.workload == "train" else "per prefill of the global batch"
     plots.plot_tp_sweep(rows, args.plot, title=sweep_title(model, hardware, base, rows),
@@ -269,13 +269,13 @@ _PARTS = (("weights", "blue", "W"), ("gradients", "magenta", "G"), ("optimizer",
 
 def print_result(result) -> None:
     console = progress.console(highlight=False)
-    if isinstance(result, P.SearchResult):
+    if isinstance(result, planner.SearchResult):
         _render_search(console, result)
     else:
         _render_plan(console, result)
 
 
-def _render_plan(console, r: P.PlanReport) -> None:
+def _render_plan(console, r: planner.PlanReport) -> None:
     m, lay, hw = r.model, r.layout, r.hardware
     console.print(f"[bold]{m['name']}[/] ({m['family']}, {r.params:,} parameters) on [bold]{hw['name']}[/]: "
                   f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ({lay['devices']} devices), {lay['workload']}, "
@@ -408,7 +408,7 @@ def _time_table(r):
     return t
 
 
-def _render_search(console, s: P.SearchResult) -> None:
+def _render_search(console, s: planner.SearchResult) -> None:
     unit = "step" if s.objective == "step_time" else "decode per token"
     comm_col = "comm/step" if s.objective == "step_time" else "comm/prefill"
     t = _table(f"{s.devices} devices, {s.devices_per_node} per node: layouts ranked by {unit}",

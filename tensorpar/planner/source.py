@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tensorpar.architecture import templates as T
+from tensorpar.architecture import templates
 from tensorpar.architecture.split_model import SplitModel
 
 from .models import ModelSpec
@@ -37,9 +37,9 @@ class ModelSource(Protocol):
     def describe(self) -> dict: ...
 
 
-def template_shape(spec: ModelSpec) -> T.Shape:
+def template_shape(spec: ModelSpec) -> templates.Shape:
     """The template's sizes of ``spec`` (its sequence is the plan's, not the model's)."""
-    return T.Shape(family=spec.family, layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
+    return templates.Shape(family=spec.family, layers=spec.layers, hidden=spec.hidden, heads=spec.heads,
                    kv_heads=spec.kv_heads, head_dim=spec.head_dim, ffn=spec.ffn, vocab=spec.vocab,
                    tied=bool(spec.tied_embeddings), qkv_bias=bool(spec.qkv_bias) and spec.family == "llama",
                    qk_norm=spec.qk_norm, positions=spec.position_table if spec.family == "gpt" else 0,
@@ -53,11 +53,11 @@ class TemplateSource:
         self.spec, self.name, self.seq, self.seq_source = spec, spec.name, spec.seq, spec.seq_source
         self._shape = template_shape(spec)
         self._splits: dict = {}
-        self._valid = list(T.feasibility(self._shape, 1).valid_tp_sizes)
+        self._valid = list(templates.feasibility(self._shape, 1).valid_tp_sizes)
 
     def at(self, tp: int) -> SplitModel:
         if tp not in self._splits:
-            self._splits[tp] = T.split(self._shape, tp)
+            self._splits[tp] = templates.split(self._shape, tp)
         return self._splits[tp]
 
     def valid_tp_sizes(self) -> list:
