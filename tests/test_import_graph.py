@@ -321,11 +321,6 @@ def fixture_violations(mods, edges) -> dict[str, list[Edge]]:
 # One-letter module names meant different things in different files (``C``: the collectives in one,
 # sharding's commit in another; ``P``: the planner or the proof): only the universal ``F``.
 ONE_LETTER_NAMES = {"F": "torch.nn.functional"}
-# The planner engineer's (item 6), renamed with their rework: named here until then.
-ALIASES_PENDING: frozenset = frozenset({
-    'one-letter alias P for tensorpar.planner in tensorpar.cli.plan',
-    'one-letter alias T for tensorpar.architecture.templates in tensorpar.planner.source',
-})
 
 
 def alias_violations(mods, edges) -> dict[str, list[Edge]]:
@@ -363,7 +358,7 @@ def _report(problems: dict) -> str:
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_the_import_graph_keeps_its_rules(found, check):
-    new = {k: v for k, v in found[check].items() if k not in PLANNER_PENDING | ALIASES_PENDING}
+    new = {k: v for k, v in found[check].items() if k not in PLANNER_PENDING}
     if new:
         pytest.fail(f"{check}: {len(new)} new\n{_report(new)}", pytrace=False)
 
