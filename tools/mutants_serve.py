@@ -1,0 +1,66 @@
+"""Mutants of `tensorpar serve` (issue 24, area serve): each a one-line fault the tests named must catch."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mutants import Mutant as M  # noqa: E402
+
+ENGINE = "tests/test_serve_engine.py"
+API = "tests/test_serve_api.py"
+SERVER = "tests/test_serve_server.py"
+MUTANTS = [
+    M("serve: a decode row one position late", "jobs/serve_scheduler.py",
+      "rows.append(Row(run.slots[c], len(run.job.prompt) + run.steps - 1, (run.last[c],)))",
+      "rows.append(Row(run.slots[c], len(run.job.prompt) + run.steps, (run.last[c],)))",
+      (ENGINE, "-k", "tp1_every")),
+    M("serve: sampling noise keyed by the step's position in the batch, not the request's own step",
+      "jobs/serve_scheduler.py",
+      "draw = Draw(run.job.sampler, run.steps, run.job.n, tuple(members))",
+      "draw = Draw(run.job.sampler, len(draws), run.job.n, tuple(members))",
+      (ENGINE, "-k", "tp1_every")),
+    M("serve: a decode row does not see its own new key", "models/engine.py",
+      "length[self.decode_slots] = torch.tensor([r.start + 1 for _, r in one])",
+      "length[self.decode_slots] = torch.tensor([r.start for _, r in one])",
+      (ENGINE, "-k", "tp1_logits")),
+    M("serve: a whole prompt prefilled in one step (no budget)", "jobs/serve_scheduler.py",
+      "chunk = min(len(prompt) - run.prefilled, budget // n)", "chunk = len(prompt) - run.prefilled",
+      (ENGINE, "-k", "join_between_steps")),
+    M("serve: a cancelled request keeps its slots", "jobs/serve_scheduler.py",
+      "for run in [r for r in self._running if r.job.cancelled]:", "for run in []:",
+      (ENGINE, "-k", "cancelled")),
+    M("serve: a stop string's text sent", "jobs/serve_job.py",
+      "text, reason = text[:cut], \"stop\"", "reason = \"stop\"",
+      (ENGINE, "-k", "stop_string")),
+    M("serve: the sharded choice reads another draw's candidates", "models/engine.py",
+      "mine = every[at:at + d.n, :, :k].reshape(d.n, -1, 2)                            # (n, tp k, 2)",
+      "mine = every[:d.n, :, :k].reshape(d.n, -1, 2)",
+      (ENGINE, "-k", "split_every and 2")),
+    M("serve: any API key accepted", "jobs/serve_api.py",
+      "return given.startswith(\"Bearer \") and hmac.compare_digest(given[7:].encode(), key.encode())",
+      "return given.startswith(\"Bearer \")",
+      (API, "-k", "api_key")),
+    M("serve: a full queue answered 503", "jobs/serve_api.py",
+      "return _error(BadRequest(str(exc), None, 429, \"rate_limit_error\"))",
+      "return _error(BadRequest(str(exc), None, 503, \"rate_limit_error\"))",
+      (API, "-k", "429")),
+    M("serve: a negative temperature accepted", "jobs/serve_api.py",
+      "if not (math.isfinite(t) and t >= 0):", "if not math.isfinite(t):",
+      (API, "-k", "temperature")),
+    M("serve: a prompt past the context accepted", "jobs/serve_api.py",
+      "if room < 1:", "if room < -100:",
+      (API, "-k", "4xx and prompt-the")),
+    M("serve: SIGTERM stops at once instead of draining", "jobs/serve.py",
+      "_tell(control, \"drain\" if len(count) == 1 else \"stop\")", "_tell(control, \"stop\")",
+      (SERVER, "-k", "sigterm and tp2")),
+    M("serve: a client gone mid-stream keeps its slot", "jobs/serve_api.py",
+      "job.cancel()", "pass",
+      (SERVER, "-k", "disconnects and tp2")),
+    M("serve: listens on every address by default", "cli/serve.py",
+      "p.add_argument(\"--host\", default=\"127.0.0.1\", help=\"address to listen on (default 127.0.0.1: this machine only)\")",
+      "p.add_argument(\"--host\", default=\"0.0.0.0\", help=\"address to listen on (default 127.0.0.1: this machine only)\")",
+      (SERVER, "-k", "127_0_0_1 and tp2")),
+    M("serve: --max-tokens-in-flight below --max-batch accepted", "jobs/serve.py",
+      "_check_count(\"--max-tokens-in-flight\", opts.max_tokens_in_flight, opts.max_batch,",
+      "_check_count(\"--max-tokens-in-flight\", opts.max_tokens_in_flight, 1,",
+      (SERVER, "-k", "bad_command")),
+]
