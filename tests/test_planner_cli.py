@@ -252,3 +252,32 @@ def test_plot_title_says_when_the_device_count_changes():
     title = sweep_title(m, hw, base, tp_sweep(m, base, hw))
     assert title.endswith("devices (tp x pp x dp) grow with tp: 2 to 64")
     assert "grow" not in sweep_title(m, hw, base, tp_sweep(m, base, hw)[:1])
+
+
+def test_every_option_plans_a_config(tmp_path):
+    """A config.json takes every option a preset takes (one path; the CLI hands them to plan() as
+    a Layout): selective recomputation drops the attention scores from the activations, full keeps
+    each block's input only, sequence parallelism splits the replicated part over tp, ZeRO-1 the
+    optimizer state over dp, pp 2 halves the blocks per device and adds the stage sends; the
+    plot's sweep covers the config's valid tp sizes."""
+    from tensorpar.planner import Layout, get_hardware, plan
+    from tensorpar.planner.search import tp_sweep
+    from tensorpar.sharding.inventory import MetaSource
+    src, hw = MetaSource(plan_fixtures(tmp_path)["llama"], seq=32), get_hardware("a100-80gb")
+
+    def run(**kw):
+        r = plan(src, Layout(tp=2, **kw), hw)
+        assert r.feasible, r.reasons
+        return r
+    none = run()
+    acts = {r: run(recompute=r).memory_per_device["activations"] for r in ("selective", "full")}
+    assert none.memory_per_device["activations"] > acts["selective"] > acts["full"] > 0
+    sp = run(sequence_parallel=True)
+    assert sp.memory_per_device["activations"] < none.memory_per_device["activations"]
+    assert {i["op"] for i in sp.comm["per_step"] if i["group"] == "tp"} >= {"all_gather", "reduce_scatter"}
+    zero = run(dp=2, zero_stage=1)
+    assert zero.memory_per_device["optimizer"] == none.memory_per_device["optimizer"] / 2
+    pp = run(pp=2)
+    assert pp.params_per_device < none.params_per_device and len(pp.params_per_stage) == 2
+    assert any(i["op"] == "send" and i["group"] == "pp" for i in pp.comm["per_step"])
+    assert [row["tp"] for row in tp_sweep(src, Layout(), hw)] == [1, 2, 4] == src.valid_tp_sizes()

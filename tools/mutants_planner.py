@@ -30,4 +30,8 @@ MUTANTS = [
       'return seq, "--seq"', 'return 2048, "--seq"', (CLI, "-k", "labels_what_it_counts")),
     M("[planner] meta source: a model that cannot be built raises its own error", "sharding/inventory.py",
       "except _BUILD_ERRORS as exc:", "except ZeroDivisionError as exc:", (CLI, "-k", "refused_in_one_line")),
+    M("[planner] plan: selective recomputation keeps the attention scores", "architecture/split_model.py",
+      'if recompute == "none":', "if True:", (CLI, "-k", "every_option")),
+    M("[planner] plan: full recomputation keeps every activation", "planner/split_memory.py",
+      'if recompute == "full":', "if False:", (CLI, "-k", "every_option")),
 ]
