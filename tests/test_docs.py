@@ -12,7 +12,8 @@ Tier 1 (no ranks; importing what the names name takes a few seconds):
 - the README is at most 250 lines, and its shell lines are all ones this test can judge;
 - docs/cli.md names every command and every option of ``tensorpar``'s parser (what ``--help``
   prints) and no other, and every ``tensorpar CMD --option`` a page shows (in a shell block or an
-  inline code span) is an option CMD has;
+  inline code span) is an option CMD has; the command whose output the README shows is the one
+  ``make run`` runs;
 - every ``TENSORPAR_*`` variable the code reads is in docs/reliability.md.
 
 Tier 2 (real ranks): every code block of the README runs as written, each in a fresh process
@@ -292,6 +293,22 @@ def test_every_readme_shell_line_is_one_this_test_judges():
     """torchrun and other commands belong in docs/ (they need what a test machine lacks)."""
     assert not CASES["unjudged"], f"README shell lines neither make nor tensorpar: {CASES['unjudged']}"
     assert CASES["command"] and CASES["python"], "the README shows no runnable example"
+
+
+def _tensorpar_args(command: str) -> str:
+    """``run --tp 2`` of ``.venv/bin/tensorpar run --tp 2`` or ``$(VPY) -m tensorpar run --tp 2``."""
+    m = re.search(r"(?:^|[\s/])(?:-m )?tensorpar (.*)$", command.strip())
+    return m.group(1).strip() if m else ""
+
+
+def test_the_readme_shows_the_output_of_what_make_run_runs():
+    """The README's shown output is checked against the command above it: that command must be the
+    one `make run` runs (a Makefile that changed its flags would leave the README showing another job)."""
+    recipe = re.search(r"^run:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe, "the Makefile has no run target"
+    made = [_tensorpar_args(line) for line in recipe.group(1).splitlines() if "tensorpar" in line]
+    shown = [_tensorpar_args(cmd) for _, cmd, output in CASES["command"] if output is not None]
+    assert len(made) == 1 and made[0] in shown, f"make run runs `tensorpar {made}`; the README shows output of {shown}"
 
 
 def test_shown_output_is_matched_line_by_line_with_digits_masked():
