@@ -14,7 +14,8 @@ Tier 1 (no ranks; importing what the names name takes a few seconds):
   prints) and no other, and every ``tensorpar CMD --option`` a page shows (in a shell block or an
   inline code span) is an option CMD has; the command whose output the README shows is the one
   ``make run`` runs;
-- every ``TENSORPAR_*`` variable the code reads is in docs/reliability.md.
+- every ``TENSORPAR_*`` variable the code reads is in docs/reliability.md;
+- every ``python`` block of every page parses.
 
 Tier 2 (real ranks): every code block of the README runs as written, each in a fresh process
 and a fresh folder of its own (a ``.venv`` there links to this checkout's, so ``.venv/bin/...``
@@ -28,6 +29,7 @@ output, in order, with digits masked (figures vary with the machine) and runs of
 one (table columns widen with the figures). The blocks run two at a time (they are independent).
 """
 import argparse
+import ast
 import importlib
 import os
 import re
@@ -263,6 +265,18 @@ def test_the_name_reader_finds_names_in_prose_and_imports():
         resolve("tensorpar.models.no_such_name")
     with pytest.raises(ModuleNotFoundError):
         resolve("tensorparx.models")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_python_block_the_docs_show_parses(path):
+    """docs/ blocks are fragments (the README's run whole, below), but each must be Python."""
+    bad = []
+    for lang, body, line in fenced_blocks(path.read_text()):
+        try:
+            ast.parse(body) if lang == "python" else None
+        except SyntaxError as exc:
+            bad.append(f"line {line + (exc.lineno or 1) - 1}: {exc.msg}")
+    assert not bad, f"{path.name}: python blocks that do not parse: {bad}"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
