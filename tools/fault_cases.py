@@ -38,6 +38,7 @@ CLI_LISTS = [
     ("tests.test_cli_train", "TRAIN_ERRORS", "bad input", "train"),
     ("tests.test_planner_cli", "PLAN_ERRORS", "bad input", "plan"),
     ("tests.test_dist", "LAUNCH_CLI_ERRORS", "bad input", "out"),
+    ("tests.test_serve_server", "SERVE_ERRORS", "bad input", "serve"),
     ("tools.fault_cases", "MORE_BAD_INPUTS", "bad input", "jobs"),
     ("tools.fault_cases", "VALID_INPUTS", "valid input", "jobs"),
 ]
@@ -101,8 +102,26 @@ def _security_fixtures(root: Path) -> dict:
     return dirs
 
 
+_HELD: list = []  # sockets the run keeps listening on: a port in use for serve's refusal
+
+
+def _serve_fixtures(root: Path) -> dict:
+    """The served model of the serve tests, and a port this process listens on (the faults run's
+    parent lives through every case)."""
+    import socket
+
+    from tests._serve_workers import make_served_model
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    _HELD.append(held)
+    return {"m": str(make_served_model(root / "m")), "port": str(held.getsockname()[1])}
+
+
 FIXTURES = {"jobs": _jobs_fixtures, "train": _train_fixtures, "plan": _plan_fixtures,
-            "out": lambda root: {"out": str(root / "out")}, "security": _security_fixtures}
+            "out": lambda root: {"out": str(root / "out")}, "security": _security_fixtures,
+            "serve": _serve_fixtures}
 
 
 # ---- API calls ---------------------------------------------------------------------------------------

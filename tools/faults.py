@@ -125,7 +125,7 @@ def run_cli(argv: list[str], words: str | None, group: str, dirs: dict) -> tuple
     from tests._cli_batch import run_all
 
     res = run_all([[a.format(**dirs[group]) for a in argv]])[0]
-    return judge_cli(res, words)
+    return judge_cli(res, words if words is None else words.format(**dirs[group]))
 
 
 def _launch_case(worker, world, *args, expect, words, bound_s, **kw) -> tuple[str, str]:
