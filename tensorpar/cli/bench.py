@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorpar.bench import summary
 from tensorpar.cli.progress import Phases
 
-SUITES = ("mlp", "models", "decode", "train")
+SUITES = ("mlp", "models", "decode", "train", "serve")
 
 
 def add_parser(sub) -> None:
@@ -93,5 +93,14 @@ def _run(args, suites, out, phase):
         results["train"], tables["train"] = rows, summary.train_table(rows)
         (out / "train.md").write_text(tables["train"])
         files.append(out / "train.md")
+    if "serve" in suites:
+        from tensorpar.bench.serve import QUICK as SERVE_QUICK
+        from tensorpar.bench.serve import run_serve_bench, serve_table
+
+        with phase("serve suite: tensorpar serve at tp 2 and HF continuous batching under open-loop load"):
+            rows = run_serve_bench(**(SERVE_QUICK if args.quick else {}))
+        results["serve"], tables["serve"] = rows, serve_table(rows)
+        (out / "serve.md").write_text(tables["serve"])
+        files.append(out / "serve.md")
     files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
