@@ -226,6 +226,32 @@ def test_the_cases_have_power(expected):
     assert sum(c["stream"] for c in cases) >= 10 and any(c["n"] == 2 and c["stream"] for c in cases)
 
 
+def test_chat_streams_generate_on_the_chat_template(server, served):
+    if server.tp != 1:
+        pytest.skip("one server is enough")
+    messages = [{"role": "system", "content": "t7 t8"}, {"role": "user", "content": "t9 t10 t11"}]
+    ids = W.tokenizer(served).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    row = generate(make_tiny_model("llama", seed=3), [ids], 6)[0, len(ids):].tolist()
+    want = _cut(row, {"stop_ids": [], "stop": None}, W.tokenizer(served))
+
+    async def ask():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0) as client:
+            got, text, usage, reason = [], "", None, None
+            async for chunk in await client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=6, temperature=0, stream=True,
+                    stream_options={"include_usage": True}):
+                for ch in chunk.choices:
+                    got += getattr(ch, "token_ids", None) or []
+                    text += ch.delta.content or ""
+                    reason = ch.finish_reason or reason
+                usage = chunk.usage or usage
+            return got, text, reason, usage
+    got, text, reason, usage = asyncio.run(ask())
+    assert (got, text, reason) == want, (got, text, reason, want)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(want[0]))
+
+
 def _stream_lines(url, body, headers=None):
     """An open streaming response (a context manager) and its data lines."""
     client = httpx2.Client(timeout=60)
