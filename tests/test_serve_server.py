@@ -343,6 +343,30 @@ def test_a_rank_that_dies_ends_the_server_named(server):
     assert _gone(server.info["pids"]) == []
 
 
+def test_under_torchrun_each_process_is_a_rank_and_rank_0_serves(served, expected):
+    """torchrun starts the ranks (2 processes, tp 2); SIGTERM to torchrun reaches each, they
+    drain and stop; one ready line and one stopped line on stdout (rank 0's)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tensorpar",
+           "serve", "--model", str(served), "--tp", "2", "--port", "0", "--json", "--dtype", "float64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        s = Server.__new__(Server)
+        s.proc, s.key = proc, "none"
+        s.info = json.loads(s._line(START_S))
+        cases, want = expected
+        got = asyncio.run(_ask_all(s.info["url"], "none", cases[:4]))
+        assert [[tuple(x) for x in g] for g in got] == [[tuple(x) for x in w] for w in want[:4]]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert [json.loads(line)["event"] for line in out.splitlines()] == ["stopped"], out
+    assert _gone(s.info["pids"]) == []
+
+
 @pytest.fixture(scope="module")
 def error_runs(served):
     """Each bad command line through ``tensorpar.cli.main`` in this process, as the entry point
