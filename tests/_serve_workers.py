@@ -64,7 +64,7 @@ def run_engine(model, reqs, *, slots: int, step_tokens: int, group=None, logits:
                 chosen_from[(index[id(run.job)], c, draw.step)] = seen[-1][row]
         steps += 1
     return {"tokens": [[c.ids for c in j.choices] for j in jobs], "steps": steps, "max_rows": widest,
-            "max_prefill_tokens": prefill, "logits": chosen_from}
+            "max_prefill_tokens": prefill, "logits": chosen_from, "cache_bytes": engine.cache.nbytes()}
 
 
 def alone(model, reqs) -> list:

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from tensorpar import dist
+from tensorpar.jobs.serve import cache_bytes
 from tensorpar.jobs.serve_job import Job
 from tensorpar.jobs.serve_scheduler import QueueFull, Scheduler
+from tensorpar.models.engine import Engine
 from tensorpar.models.sampling import Sampler
 from tensorpar.models.tiny import make_tiny_model
 from tests import _serve_workers as W
@@ -63,6 +65,8 @@ def test_split_every_request_equals_generate_alone(tp):
         assert got["tokens"] == got["alone"], (rank, tp)
         assert got["tokens"] == runs[0]["dense_alone"], (rank, tp)
         assert got["max_rows"] == 8, got["max_rows"]
+        # the parent's estimate (tensorpar serve's memory check) is this rank's shard of the cache
+        assert got["cache_bytes"] == cache_bytes(dense_run()[0].config.to_dict(), tp, 8, 64, 8), got["cache_bytes"]
 
 
 def test_the_cases_have_power():
@@ -75,6 +79,13 @@ def test_the_cases_have_power():
     assert any(a != b for a, b in two), "n=2 sampled choices must differ"
     prompt, m, _, _ = reqs[1]
     assert W.alone(model, [(prompt, m, {}, 1)])[0] != got["tokens"][1], "temperature 0.7 drew as greedy"
+
+
+def test_the_parent_s_cache_estimate_is_the_cache_a_rank_allocates():
+    """What `tensorpar serve` checks against the machine's memory before any rank starts."""
+    model = make_tiny_model("llama", seed=3, dtype=torch.float32)
+    config = model.config.to_dict()
+    assert Engine(model, slots=8, capacity=64).cache.nbytes() == cache_bytes(config, 1, 8, 64, 4) == 8 * 24576
 
 
 # ---- the scheduler, step by step (no model: the tokens are made up) -------------------------------

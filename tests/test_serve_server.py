@@ -43,6 +43,8 @@ SERVE_ERRORS = [
     (["serve", "--model", "{m}", "--max-batch", "8", "--max-tokens-in-flight", "4"],
      "--max-tokens-in-flight must be an integer >= 8 (at least --max-batch (8)"),
     (["serve", "--model", "{m}", "--max-model-len", "65"], "--max-model-len 65 is more than this model's 64 positions"),
+    (["serve", "--model", "{m}", "--max-batch", "100000000", "--max-tokens-in-flight", "100000000"],
+     "the KV cache of --max-batch 100000000 slots x 64 positions takes 2288.8 GiB over 1 rank(s), more than"),
     (["serve", "--model", "{m}", "--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000"),
     (["serve", "--model", "{m}", "--port", "{port}"], "cannot listen on 127.0.0.1:{port}: Address already in use"),
     (["serve", "--model", "{m}", "--host", "no-such-host.invalid"], "--host 'no-such-host.invalid' is not an address"),

@@ -69,13 +69,14 @@ def check(opts: ServeOptions) -> dict:
     if ckpt.family not in registry.LEAN_TYPES:
         raise ValueError(f"--model {ckpt.path} is a {ckpt.family} model; tensorpar serve runs the lean decode "
                          f"path's families: {', '.join(registry.LEAN_TYPES)}")
-    parse_dtype(opts.dtype)
+    dtype = parse_dtype(opts.dtype)
     check_tp(ckpt, opts.tp)
     _check_count("--max-batch", opts.max_batch, 1)
     _check_count("--max-queue", opts.max_queue, 0)
     _check_count("--max-tokens-in-flight", opts.max_tokens_in_flight, opts.max_batch,
                  f"at least --max-batch ({opts.max_batch}): every running stream takes one token a step")
     capacity = _capacity(ckpt, opts.max_model_len)
+    _check_cache(ckpt.config, opts.tp, opts.max_batch, capacity, dtype.itemsize)
     if opts.api_key is not None and not opts.api_key.strip():
         raise ValueError("--api-key '' is empty: give a key, or leave the option out for no key")
     _check_address(opts.host, opts.port)
@@ -101,6 +102,27 @@ def _capacity(ckpt, max_model_len) -> int:
     if limit is not None and max_model_len > limit:
         raise ValueError(f"--max-model-len {max_model_len} is more than this model's {limit} positions")
     return max_model_len
+
+
+def cache_bytes(config: dict, tp: int, slots: int, capacity: int, itemsize: int) -> int:
+    """One rank's :class:`~tensorpar.models.engine.SlotCache`: K and V, ``(slots, KV heads / tp,
+    capacity, head_dim)`` a layer (a KV head shared by several ranks where tp > KV heads)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * slots * max(1, kv // tp) * capacity * head_dim * itemsize
+
+
+def _check_cache(config: dict, tp: int, slots: int, capacity: int, itemsize: int) -> None:
+    """The preallocated KV cache of every local rank together, against this machine's memory (a
+    bound that never refuses what fits: a model's default context, 128k positions, times 32 slots
+    would otherwise be a failed allocation or the OOM killer in the ranks)."""
+    per_rank = cache_bytes(config, tp, slots, capacity, itemsize)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if tp * per_rank > memory:
+        raise ValueError(f"the KV cache of --max-batch {slots} slots x {capacity} positions takes "
+                         f"{tp * per_rank / 2 ** 30:.1f} GiB over {tp} rank(s), more than this machine's "
+                         f"{memory / 2 ** 30:.1f} GiB of memory; lower --max-model-len or --max-batch")
 
 
 def _eos(ckpt) -> list[int]:
