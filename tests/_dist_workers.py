@@ -161,10 +161,11 @@ def ledger_worker(shape):
         block(x).sum().backward()
         g = dist.gather_from_tp_region(x.detach())
         rs = dist.reduce_scatter(torch.cat([x.detach()] * p, dim=1), dim=1)
-        m = dist.all_reduce(x.detach().clone(), op="max")
+        m = dist.all_reduce(x.detach().clone() + dist.get_rank(), op="max")  # recorded, and still reduced
         dist.broadcast(x.detach().clone(), src=0)
     outside = dist.reduce_from_tp_region(x.detach())  # no ledger open: must not be recorded
-    return {"records": [r.to_dict() for r in led.records], "by_op": led.by_op(),
+    return {"max_ok": torch.equal(m, x.detach() + (p - 1)),
+            "records": [r.to_dict() for r in led.records], "by_op": led.by_op(),
             "by_module": led.by_module(), "total": led.total_bytes_sent(),
             "shapes": [tuple(g.shape), tuple(rs.shape), tuple(m.shape), tuple(outside.shape)]}
 

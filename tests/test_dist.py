@@ -30,6 +30,7 @@ def test_ledger_records_every_collective_with_ring_bytes(world, backend):
     n = 2 * 3 * 8 * 8  # float64 bytes of x
     out = dist.launch(W.ledger_worker, world, shape, backend=backend, deadline=120)
     for rank, res in enumerate(out):
+        assert res["max_ok"], f"rank {rank}: an all-reduce under a ledger did not reduce"
         ops = [(r["op"], r["phase"], r["module"]) for r in res["records"]]
         assert ops == [("all_reduce", "forward", "Block"), ("all_reduce", "backward", "Block"),
                        ("all_gather", "forward", ""), ("reduce_scatter", "forward", ""),

@@ -44,8 +44,8 @@ MUTANTS = [
       "work = tdist.all_reduce(buf, op=_OPS[op], group=group, async_op=async_op)", "work = None",
       ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
     M("all_reduce skipped over shared memory", "dist/collectives.py",
-      "work = shm.all_reduce(segment, x, op)", "work = None",
-      ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
+      "work = shm.all_reduce(segment, x, op)", "work = None",  # the path under a ledger
+      ("tests/test_dist.py", "-k", "ledger_records_every_collective")),
     M("copy_to_tp_region's backward not reduced", "dist/mappings.py",
       "return collectives.all_reduce(_fresh(grad), ctx.group, **_bwd(ctx)), None", "return _fresh(grad), None",
       ("tests/test_dist.py", "-k", "mappings_forward_and_backward")),
