@@ -8,6 +8,7 @@ from mutants import Mutant as M  # noqa: E402
 ENGINE = "tests/test_serve_engine.py"
 API = "tests/test_serve_api.py"
 SERVER = "tests/test_serve_server.py"
+BENCH = "tests/test_serve_bench.py"
 MUTANTS = [
     M("serve: a decode row one position late", "jobs/serve_scheduler.py",
       "rows.append(Row(run.slots[c], len(run.job.prompt) + run.steps - 1, (run.last[c],)))",
@@ -72,6 +73,14 @@ MUTANTS = [
       "return 2 * config[\"num_hidden_layers\"] * slots * max(1, kv // tp) * capacity * head_dim * itemsize",
       "return 2 * config[\"num_hidden_layers\"] * slots * max(1, kv // tp - 1) * capacity * head_dim * itemsize",
       (ENGINE, "-k", "estimate or split_every")),
+    M("serve bench: time to first token counted from the run's start", "bench/serve.py",
+      "ttft = [s[0] - a for a, s in zip(arrivals, stamps) if s]",
+      "ttft = [s[0] - min(arrivals) for a, s in zip(arrivals, stamps) if s]", (BENCH,)),
+    M("serve bench: throughput over the time from the first token", "bench/serve.py",
+      "span = max(s[-1] for s in stamps if s) - min(arrivals)",
+      "span = max(s[-1] for s in stamps if s) - min(s[0] for s in stamps if s)", (BENCH,)),
+    M("serve bench: every request arrives at once (not an open-loop load)", "bench/serve.py",
+      "t += rng.expovariate(rate)", "t += 0.0", (BENCH,)),
     M("serve: --max-tokens-in-flight below --max-batch accepted", "jobs/serve.py",
       "_check_count(\"--max-tokens-in-flight\", opts.max_tokens_in_flight, opts.max_batch,",
       "_check_count(\"--max-tokens-in-flight\", opts.max_tokens_in_flight, 1,",
