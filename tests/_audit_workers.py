@@ -1,7 +1,7 @@
 """Workers for tests/test_sharding_audit.py: one launch, every case on every rank."""
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 
 def audit_worker():

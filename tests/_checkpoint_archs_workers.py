@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests._models_checkpoint_workers import _load_logged
 
 VOCAB = 130  # of every tiny config (tensorpar.architecture.tiny_sizes)

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 
 def _seeded(shape, seed, dtype=torch.float64):
@@ -208,7 +208,7 @@ def flaky_init_rank(rank, world_size, store, results):
 
     import torch.distributed as tdist
 
-    from tensorpar.dist import rendezvous
+    from tensorpar.distributed import rendezvous
 
     real, calls = tdist.init_process_group, []
 
@@ -478,7 +478,7 @@ def group_timeouts():
     torch's new_group, init_device_mesh's dimensions, new_subgroups), and what a launch from
     inside a rank says."""
     import torch.distributed as tdist
-    from tensorpar.dist import dp_engines
+    from tensorpar.distributed import dp_engines
 
     r = dist.get_rank()
     pairs = [[0, 1], [2, 3]]
@@ -512,7 +512,7 @@ def _write_pid(directory) -> None:
 def mesh_peer_never_comes_worker(directory):
     """dp 2 x tp 2: rank 0 all-reduces on its tp group ([0, 1]); rank 1 never comes. The tp group
     is init_device_mesh's: it waits the launch's timeout, not torch's 30-minute default."""
-    from tensorpar.dist import dp_engines
+    from tensorpar.distributed import dp_engines
 
     _write_pid(directory)
     tp_group = dp_engines.init_mesh(2, 2)["tp"].get_group()
@@ -546,7 +546,7 @@ def stopped_rank_worker(directory):
     (the state once reported as "ranks 0 and 1 are in different collectives")."""
     import signal
 
-    from tensorpar.dist import flight
+    from tensorpar.distributed import flight
 
     dist.check_collectives(False)  # a signature exchange would not change what is watched
     _write_pid(directory)

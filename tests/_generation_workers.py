@@ -5,7 +5,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
 from tensorpar.models.lean import lean_decoder

@@ -5,7 +5,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 
 def pytorch_apis_worker(checkpoint):
@@ -26,7 +26,7 @@ def pytorch_apis_worker(checkpoint):
     out["functional_all_reduce"] = _diff(functional_all_reduce(mine, "sum", mesh), torch.full((5,), p * (p + 1) / 2))
     out["mlp"] = _parallelize_module_mlp(mesh)
     out["hf_tp_plan"] = _hf_tp_plan(checkpoint)
-    from tensorpar.dist import shm
+    from tensorpar.distributed import shm
     ones = torch.ones(4)
     out["own_over_shm"] = shm.segment_of(None, ones) is not None  # tensorpar's own: the shared segment
     out["own_sum"] = dist.all_reduce(ones).tolist()

@@ -212,7 +212,7 @@ def check(arch: str, group) -> dict:
 
 def matrix_worker(archs, tp_sizes) -> dict:
     """``{(arch, tp): result}`` for the cases this rank took part in."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     torch.set_num_threads(1)
     # exactness is checked numerically here; a mismatched schedule still stops the launch through
     # the flight recorder, without a signature exchange before each of the proofs' collectives
@@ -233,7 +233,7 @@ def _guarded_check(arch, group) -> dict:
 def each_case(archs, tp_sizes, fn) -> dict:
     """``{(arch, tp): fn(arch, group)}`` for the cases this rank takes part in: on 4 ranks, tp 2 on
     two sub-groups at once ({0, 1} and {2, 3}, the architectures alternating), tp 4 on all four."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])] if world == 4 else [None]
     results = {}

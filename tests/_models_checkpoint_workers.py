@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models.tiny import make_tiny_model
 from tests._models_workers import TP3_DOES_NOT_FIT, _ids, _rel, tp_groups

@@ -10,7 +10,7 @@ import functools
 import tempfile
 from pathlib import Path
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tests import _models_checkpoint_workers as C, _models_workers as W
 

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model

@@ -57,7 +57,7 @@ def _ids(seq: int) -> torch.Tensor:
 def measure(arch: str, group) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tensorpar.apply import parallelize
     from tensorpar.models.generation import generate
     from tensorpar.models.training import causal_lm_loss
@@ -90,7 +90,7 @@ def measure(arch: str, group) -> dict:
 def inventory_worker(archs) -> dict:
     """``{(arch, tp): result}`` of the cases this rank took part in (its group rank: world rank
     at tp 4, world rank mod 2 at tp 2)."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     os.environ["HF_HUB_OFFLINE"] = "1"
     warnings.filterwarnings("ignore")
     rank = dist.get_rank()

@@ -5,7 +5,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import train_step

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_model

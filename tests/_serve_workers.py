@@ -6,7 +6,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.jobs.serve_job import Job
 from tensorpar.jobs.serve_scheduler import Scheduler

@@ -11,7 +11,7 @@ import copy
 import torch
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.nn import regions
 from tensorpar.nn.layers import RowParallelLinear
 from tensorpar.nn.rebase import column_parallel_like, vocab_parallel_like

@@ -8,9 +8,9 @@ import zlib
 import torch
 import torch.distributed as tdist
 
-from tensorpar import dist
-from tensorpar.dist import shm
-from tensorpar.dist import shm_segment as seg
+from tensorpar import distributed as dist
+from tensorpar.distributed import shm
+from tensorpar.distributed import shm_segment as seg
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 # 1 element to 6 MB of float32: below a slot, exactly one, and several slots (1 MiB each)
@@ -161,7 +161,7 @@ def mismatch_worker():
     """Ranks in collectives of different sizes with the rank-side signature check off: the
     transport itself refuses to read a peer's bytes; the group then stays failed. Then, on fresh
     groups, collectives of different kinds, and sizes that differ only past the first slot."""
-    from tensorpar.dist import flight
+    from tensorpar.distributed import flight
     flight.check_collectives(False)
     r, messages = tdist.get_rank(), []
     fresh, third = tdist.new_group([0, 1]), tdist.new_group([0, 1])

@@ -40,7 +40,7 @@ _DEFAULT_EXPERTS = "grouped_mm"  # transformers 5's default for models built fro
 def sweep_check(arch: str, group) -> dict:
     from transformers.utils import logging as hf_logging
 
-    from tensorpar import dist, parallelize
+    from tensorpar import distributed as dist, parallelize
     from tensorpar.jobs import verify as V
     from tensorpar.jobs.common import TOLERANCE
     from tensorpar.models.tiny import make_tiny_model
@@ -116,7 +116,7 @@ def _ratios(V):
 
 
 def sweep_worker(archs, tp_sizes) -> dict:
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     torch.set_num_threads(1)
     dist.check_collectives(False)
     warnings.filterwarnings("ignore")

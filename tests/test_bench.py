@@ -51,7 +51,7 @@ def test_the_floor_computes_the_dense_mlp(world):
     """The floor the benchmark times is a tensor-parallel MLP, not something cheaper: its output,
     dX and every gradient slice equal the dense MLP's in float64 (1e-12: summation order only).
     Catches a floor without its forward or backward all-reduce, or with the bias on every rank."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _bench_workers as W
 
     assert all(d <= 1e-12 for d in dist.launch(W.floor_worker, world, 8, 16, deadline=120))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorpar.dist import dcp
+from tensorpar.distributed import dcp
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_model
 

@@ -258,7 +258,7 @@ RUN_API_ERRORS = [
 def test_run_api_refuses_bad_generation_options(checkpoints, monkeypatch, kwargs, message):
     import re
 
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tensorpar.jobs.run import run
 
     def no_ranks(*args, **kwargs):
@@ -451,7 +451,7 @@ def test_json_errors_are_a_json_object_on_stdout(error_runs):
 def test_a_failed_rank_is_one_line_with_exit_code_1(monkeypatch, capsys):
     """The launcher's RankFailedError carries the rank's traceback: the CLI prints its first line
     and how to see the rest."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tensorpar.cli import main
     from tensorpar.jobs import verify as verify_job
 

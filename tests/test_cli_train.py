@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import tensorpar.dist
+import tensorpar.distributed
 from tensorpar.cli import main as cli
 
 pytestmark = pytest.mark.multirank
@@ -339,7 +339,7 @@ def _no_launch(*args, **kwargs):
 
 
 def test_bad_inputs_exit_2_before_any_rank(files, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    monkeypatch.setattr(tensorpar.distributed, "launch", _no_launch)
     dirs = train_fixtures(files["root"])
     capsys.readouterr()  # what making them printed (transformers' progress bars)
     for argv, named in TRAIN_ERRORS:
@@ -354,7 +354,7 @@ def test_a_resume_with_other_batches_is_refused_before_any_rank(files, tmp_path,
     """The checkpoint keeps the seed, batch, sequence length and the data's fingerprint: resuming
     with another would silently read other batches than the run it continues."""
     resume = os.path.join(_run(files["root"], "full")["out"], "checkpoints")
-    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    monkeypatch.setattr(tensorpar.distributed, "launch", _no_launch)
     m = ["--model", files["model"], "--resume", resume, "--steps", str(STEPS + 2), "--out", str(tmp_path / "o")]
     for extra, named in ((["--seed", "8", "--data", files["text"]], "seed 7 (now 8)"),
                          (["--seed", str(SEED)], "data '")):
@@ -367,7 +367,7 @@ def test_an_out_holding_another_runs_checkpoints_is_refused(files, tmp_path, cap
     another seed or learning rate is refused naming it; the same run again, or one resuming
     from those checkpoints (here with another learning rate), reaches the launch."""
     out = _run(files["root"], "full")["out"]
-    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    monkeypatch.setattr(tensorpar.distributed, "launch", _no_launch)
     same = ["--model", files["model"], "--tp", "2", "--dp", "2", "--data", files["text"], "--out", out, *COMMON]
     for extra, named in ((["--seed", "8"], "seed 7 (now 8)"), (["--lr", "0.5"], "lr 0.01 (now 0.5)")):
         code, _, err = _main([*same, *extra], capsys)
@@ -396,7 +396,7 @@ def test_room_for_every_checkpoint_and_the_export_before_any_rank(files, tmp_pat
     assert real <= one <= 2 * real + 2 ** 20, (real, one)
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 2 * one + weights // 2))
-    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    monkeypatch.setattr(tensorpar.distributed, "launch", _no_launch)
     m = ["--model", files["model"], "--data", files["text"], "--out", str(tmp_path / "o"), *COMMON]
     for extra, named in ((["--save-every", "2"], "--save-every (3 checkpoints of"),
                          (["--save-every", "3", "--export", str(tmp_path / "e")],
@@ -433,7 +433,7 @@ def test_a_diverging_run_stops_at_the_first_non_finite_step(files, tmp_path, cap
 
 
 def test_torchrun_world_size_must_be_dp_times_tp(files, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(tensorpar.dist, "launch", _no_launch)
+    monkeypatch.setattr(tensorpar.distributed, "launch", _no_launch)
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
     code, _, err = _main(["--model", files["model"], "--tp", "2", "--dp", "2", "--out", str(tmp_path)], capsys)

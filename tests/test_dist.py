@@ -1,4 +1,4 @@
-"""tensorpar.dist on real gloo ranks: the f/g operators, the ledger, sub-groups, fail-fast."""
+"""tensorpar.distributed on real gloo ranks: the f/g operators, the ledger, sub-groups, fail-fast."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests import _dist_workers as W
 
 pytestmark = pytest.mark.multirank
@@ -195,7 +195,7 @@ def test_ctrl_c_stops_every_rank_quietly(tmp_path):
         # rightly honours: that, not the launcher, was the rare "hang" of this test
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "sys.path.insert(0, %r)\n"
-        "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
+        "from tensorpar import distributed as dist\nfrom tests import _dist_workers as W\n"
         "if __name__ == '__main__':\n"
         "    try:\n        dist.launch(W.sleepy_worker_with_pid, 2, %r)\n"
         "    except KeyboardInterrupt:\n        print('interrupted', file=sys.stderr)\n"
@@ -245,7 +245,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     script = tmp_path / "launcher.py"
     script.write_text(
         "import sys\nsys.path.insert(0, %r)\n"
-        "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
+        "from tensorpar import distributed as dist\nfrom tests import _dist_workers as W\n"
         "if __name__ == '__main__':\n    dist.launch(W.sleepy_worker_with_pid, 2, %r)\n"
         % (str(Path(__file__).resolve().parents[1]), str(tmp_path)))
     shm_before = _shm()
@@ -397,7 +397,7 @@ def test_mismatched_collectives_are_named_within_seconds(kind, names):
 def test_ranks_in_different_collectives_of_a_group_are_a_mismatch_once_settled():
     """Rank 0 in the group's 7th collective, rank 1 still in its 6th: normal for a moment (rank 1
     leaving the 6th), a mismatch after SETTLE_S; other groups and ranks outside are not compared."""
-    from tensorpar.dist import flight
+    from tensorpar.distributed import flight
     now = time.time()
 
     def state(seq, t, group=(0, 1), op="all_reduce", where="in"):
@@ -415,7 +415,7 @@ def test_a_peer_that_never_reached_the_collective_is_the_stuck_one():
     """Rank 0 has waited 10 s in the group's 7th collective. A peer in an earlier one, in none,
     in another group's, or returned without it is stuck; one inside it, or past it (a long
     collective leaves the slowest rank inside after the others have left), is not."""
-    from tensorpar.dist import flight
+    from tensorpar.distributed import flight
     now = time.time()
 
     def state(seq, t=now - 10, group=(0, 1), where="in"):
@@ -463,7 +463,7 @@ def test_the_deadline_says_where_each_rank_was():
 
 def test_a_launch_has_a_deadline_by_default():
     import inspect
-    from tensorpar.dist import launcher
+    from tensorpar.distributed import launcher
     assert launcher.DEFAULT_DEADLINE_S == 3600
     assert inspect.signature(dist.launch).parameters["deadline"].default is not None
 
@@ -528,7 +528,7 @@ def test_world_sizes_that_are_not_positive_integers_are_refused(bad, no_rank_sta
 def test_more_local_ranks_than_the_machine_holds_are_refused(monkeypatch, no_rank_starts):
     """At most 4 ranks a CPU core, and 150 MiB a rank within the available memory; the variable
     TENSORPAR_MAX_LOCAL_RANKS replaces both (train --dp 64 --tp 2 passed every check on 2 cores)."""
-    from tensorpar.dist import preflight
+    from tensorpar.distributed import preflight
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.setattr(preflight, "_available_mib", lambda: 1 << 30)  # the CPU rule alone
     dist.check_local_world(4 * cpus)
@@ -549,7 +549,7 @@ def test_more_local_ranks_than_the_machine_holds_are_refused(monkeypatch, no_ran
 def test_the_memory_a_machine_has_is_read_from_the_kernel():
     """In MiB, between 0 and the machine's total (a reading in kB would exceed it; the available
     memory itself moves with the other processes, so it is not compared exactly)."""
-    from tensorpar.dist import preflight
+    from tensorpar.distributed import preflight
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) // 1024 for line in f if line.startswith("MemTotal:"))
     assert 0 < preflight._available_mib() <= total
@@ -559,7 +559,7 @@ def test_the_memory_a_machine_has_is_read_from_the_kernel():
 def test_a_cgroup_memory_limit_counts_as_less_memory(tmp_path, version):
     """Limit 8 GiB, 6 GiB used of which 5 GiB are file pages the kernel can drop: room for 7 GiB;
     no limit ("max", or v1's 2**63 rounded to a page): None."""
-    from tensorpar.dist import preflight
+    from tensorpar.distributed import preflight
     gib = 1 << 30
     if version == "v2":
         proc, base, names = "0::/job\n", tmp_path / "job", ("memory.max", "memory.current", "inactive_file")
@@ -603,7 +603,7 @@ def test_bad_tensorpar_variables_are_refused_naming_variable_value_and_choices(m
 
 
 def test_tensorpar_variables_are_read_as_documented(monkeypatch):
-    from tensorpar.dist import settings
+    from tensorpar.distributed import settings
     for name, value, expect in [("TENSORPAR_TRANSPORT", " GLOO ", "gloo"), ("TENSORPAR_TRANSPORT", "", "shm"),
                                 ("TENSORPAR_SHM_SLOT_BYTES", "65536", 65536), ("TENSORPAR_SHM_SLOT_BYTES", "", 1 << 20),
                                 ("TENSORPAR_CHECK_COLLECTIVES", "1", True), ("TENSORPAR_CHECK_COLLECTIVES", "0", False),
@@ -621,7 +621,7 @@ def test_tensorpar_variables_are_read_as_documented(monkeypatch):
     package = Path(dist.__file__).resolve().parents[1]
     read = {m for path in package.rglob("*.py") for m in re.findall(r"TENSORPAR_[A-Z_]+", path.read_text())
             if path.name not in ("settings.py",)}
-    checked = set(re.findall(r"TENSORPAR_[A-Z_]+", (package / "dist" / "settings.py").read_text()))
+    checked = set(re.findall(r"TENSORPAR_[A-Z_]+", (package / "distributed" / "settings.py").read_text()))
     assert read - checked <= {"TENSORPAR_TRACEBACK", "TENSORPAR_COVERAGE"}, read - checked  # the CLI's, the tests
 
 
@@ -685,7 +685,7 @@ def test_a_mesh_peer_that_never_comes_ends_the_launch_at_its_timeout_naming_it(t
 def test_a_group_with_a_longer_timeout_of_its_own_is_still_bounded_by_the_launch(tmp_path):
     """A group made with timeout=1 h: its wait would outlast the launch's timeout (2 s); the
     launcher ends it STUCK_GRACE_S past that (checked every 0.5 s), naming the peer that never came."""
-    from tensorpar.dist import monitor
+    from tensorpar.distributed import monitor
     with pytest.raises(dist.RankStuckError) as info:
         dist.launch(W.long_timeout_group_worker, 2, str(tmp_path), timeout=2, deadline=60)
     waited = _since(tmp_path, "entered")
@@ -703,7 +703,7 @@ def test_a_stopped_rank_is_named_as_stopped_within_seconds_not_as_a_mismatch(tmp
     the 0.5 s poll and the stop of the ranks); with 4 s, rank 0's timeout comes first, after the
     flight recorder's 3 s settling time: either way rank 1 is named as stopped, not as "in
     different collectives" (what was once reported)."""
-    from tensorpar.dist import liveness
+    from tensorpar.distributed import liveness
     with pytest.raises(dist.RankUnresponsiveError) as info:
         dist.launch(W.stopped_rank_worker, 2, str(tmp_path), timeout=timeout, deadline=60)
     after = _since(tmp_path, "stopped")
@@ -723,7 +723,7 @@ def test_a_rank_that_stops_running_without_being_stopped_is_named_by_its_heartbe
     TENSORPAR_UNRESPONSIVE_TIMEOUT=3 (the default, 30 s, is too long for a test): named 3 s after
     its last beat, which came up to a heartbeat period before it stopped running, plus the poll
     and the stop."""
-    from tensorpar.dist import liveness
+    from tensorpar.distributed import liveness
     monkeypatch.setenv("TENSORPAR_UNRESPONSIVE_TIMEOUT", "3")
     with pytest.raises(dist.RankUnresponsiveError) as info:
         dist.launch(W.silent_rank_worker, 2, str(tmp_path), timeout=20, deadline=60)

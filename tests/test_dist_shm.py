@@ -1,12 +1,12 @@
-"""The shared-memory transport (tensorpar.dist.shm): exact against gloo, safe, and quiet while waiting."""
+"""The shared-memory transport (tensorpar.distributed.shm): exact against gloo, safe, and quiet while waiting."""
 import functools
 import os
 import stat
 
 import pytest
 
-from tensorpar import dist
-from tensorpar.dist import shm_segment as seg
+from tensorpar import distributed as dist
+from tensorpar.distributed import shm_segment as seg
 from tests import _shm_workers as W
 
 

@@ -3,7 +3,7 @@
 Tier 1 (no ranks; importing what the names name takes a few seconds):
 
 - every ``tensorpar.x.y`` name the docs mention resolves: the longest prefix that imports as a
-  module, then ``getattr`` for the rest (so an alias module such as ``tensorpar.dist`` for a
+  module, then ``getattr`` for the rest (so an alias module such as ``tensorpar.distributed`` for a
   renamed package resolves as long as it exposes the names); ``from tensorpar.x import a, b`` in a
   code block checks ``a`` and ``b`` too;
 - every relative link (and image) points at a file that exists, and a ``#heading`` link at a
@@ -256,10 +256,10 @@ def test_every_tensorpar_name_the_docs_mention_resolves(path):
 
 
 def test_the_name_reader_finds_names_in_prose_and_imports():
-    text = ("see `tensorpar.dist.ledger(model=m)` and tensorpar.models.generate.\n"
-            "a path tensorpar/dist/shm.py is no name\n```python\n"
+    text = ("see `tensorpar.distributed.ledger(model=m)` and tensorpar.models.generate.\n"
+            "a path tensorpar/distributed/shm.py is no name\n```python\n"
             "from tensorpar.models import load_sharded, make_tiny_model  # x\n```\n")
-    assert names_in(text) == {"tensorpar.dist.ledger", "tensorpar.models.generate", "tensorpar.models",
+    assert names_in(text) == {"tensorpar.distributed.ledger", "tensorpar.models.generate", "tensorpar.models",
                               "tensorpar.models.load_sharded", "tensorpar.models.make_tiny_model"}
     with pytest.raises(AttributeError):
         resolve("tensorpar.models.no_such_name")

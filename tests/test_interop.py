@@ -6,7 +6,7 @@ while tensorpar's own collectives still travel over shared memory. Before, the f
 reads its world from torchrun's variables)."""
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests import _interop_workers as W
 
 pytestmark = pytest.mark.multirank

@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests._matrix_workers import ARCHS
 from tests._verify_sweep_workers import DTYPES, sweep_worker
 

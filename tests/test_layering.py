@@ -2,7 +2,7 @@
 
 reference/ is numpy-only, architecture/ stdlib-only and planner/ stdlib-only besides the
 architecture facts; reference imports neither, and none imports torch.
-Only dist/ calls torch.distributed. `import tensorpar` must not load torch.
+Only distributed/ calls torch.distributed. `import tensorpar` must not load torch.
 """
 import ast
 import subprocess
@@ -57,13 +57,13 @@ _TORCH_DIST_ALLOWED = {PKG / "bench" / "baselines.py"}
 
 def test_only_dist_calls_torch_distributed():
     for path in PKG.rglob("*.py"):
-        if "dist" in path.relative_to(PKG).parts[:1] or path in _TORCH_DIST_ALLOWED:
+        if "distributed" in path.relative_to(PKG).parts[:1] or path in _TORCH_DIST_ALLOWED:
             continue
         src = path.read_text()
         for name in _imports(path):
-            assert not name.startswith("torch.distributed"), f"{path} imports {name}; only tensorpar/dist may"
+            assert not name.startswith("torch.distributed"), f"{path} imports {name}; only tensorpar/distributed may"
         assert "torch.distributed" not in src, (
-            f"{path} mentions torch.distributed; route collectives through tensorpar.dist")
+            f"{path} mentions torch.distributed; route collectives through tensorpar.distributed")
 
 
 def _fresh(code: str) -> subprocess.CompletedProcess:

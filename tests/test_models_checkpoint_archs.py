@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tests import _checkpoint_archs_workers as W
 

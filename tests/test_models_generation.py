@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.sampling import Sampler, choose, gumbel
 from tests import _generation_workers as W
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.generation import generate
 from tensorpar.models.lean import FAMILIES, lean_decoder
 from tensorpar.models.tiny import make_tiny_model

@@ -25,7 +25,7 @@ import os
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests._matrix_workers import ARCHS, QUICK, matrix_worker
 
 RUN = ARCHS if os.environ.get("TENSORPAR_MATRIX") == "all" else QUICK

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests import _mesh_workers as W
 
 # float64: the split runs add the same terms in other orders (row-split partial sums, dp averages,

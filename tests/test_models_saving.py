@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_model
 from tests import _saving_workers as W

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests import _sequence_workers as W
 
 # float64. Sequence parallelism adds the same terms as the tensor-parallel split, in other orders

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tensorpar.nn as tn
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests.test_nn_layers import TOL, all_keys, padded_slice, randn, rel_err, tp_groups
 
 pytestmark = pytest.mark.multirank

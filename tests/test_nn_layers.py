@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar.nn as tn
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 pytestmark = pytest.mark.multirank
 WORLD = 4

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorpar.nn as tn
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests.test_nn_blocks import expected_shard, head_mask
 from tests.test_nn_layers import padded_slice, rel_err, tp_groups
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorpar.nn as tn
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.tp_rules import divide, padded_range
 
 pytestmark = pytest.mark.multirank

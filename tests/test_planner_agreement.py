@@ -3,7 +3,7 @@
 On real gloo ranks (one launch at tp 2, one at tp 4; each loops over the families and
 workloads inside the worker), every tiny float64 Hugging Face model of tensorpar.models.tiny
 (vocabulary 130: padded to 132 at tp 4; llama GQA 4/2 heads and qwen2 MQA 12/1 replicate KV
-heads at tp 4 and 2) runs each workload under ``tensorpar.dist.ledger``. For each rank, the
+heads at tp 4 and 2) runs each workload under ``tensorpar.distributed.ledger``. For each rank, the
 records must equal ``tensorpar.planner.predict_collectives`` for the same ``config.to_dict()``:
 the same multiset of (op, phase, where, payload bytes, bytes sent), hence the same count per
 (op, phase), the same bytes per layer and per step; and the parameter bytes each rank holds
@@ -19,8 +19,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tensorpar import dist
-from tensorpar.dist.ledger import ring_bytes_sent as ledger_ring_bytes_sent
+from tensorpar import distributed as dist
+from tensorpar.distributed.ledger import ring_bytes_sent as ledger_ring_bytes_sent
 from tensorpar.planner import collectives as C
 from tensorpar.planner import predict_collectives
 

@@ -123,8 +123,8 @@ def test_shards_say_what_each_rank_holds():
 
 
 def test_planning_group_answers_and_refuses_collectives():
-    from tensorpar import dist
-    from tensorpar.dist import PlanningGroup, PlanningGroupError
+    from tensorpar import distributed as dist
+    from tensorpar.distributed import PlanningGroup, PlanningGroupError
     g = PlanningGroup(4, 3)
     assert (dist.get_world_size(g), dist.get_rank(g)) == (4, 3)
     with pytest.raises(PlanningGroupError, match=r"all_reduce on PlanningGroup\(size=4, rank=3\): a planning stand-in"):

@@ -23,7 +23,7 @@ from collections import Counter
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.planner.predict import _steps
 from tensorpar.planner.runtime import generic_name, predict_from_inventory, runs
 from tests._planner_inventory_workers import (ARCHS, BATCH, LONG_SEQ, NEW_TOKENS, SEQ, inventory_worker,

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.planner import mesh as PM
 from tensorpar.planner.runtime import generic_name
 from tests import _planner_mesh_workers as W

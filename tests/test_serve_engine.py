@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.jobs.serve import cache_bytes
 from tensorpar.jobs.serve_job import Job
 from tensorpar.jobs.serve_scheduler import QueueFull, Scheduler

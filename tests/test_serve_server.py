@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tensorpar.cli import main
-from tensorpar.dist.launcher import RankFailedError
+from tensorpar.distributed.launcher import RankFailedError
 from tensorpar.jobs.serve import ServeOptions, serve
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model

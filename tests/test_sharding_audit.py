@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests import _audit_workers as W
 
 pytestmark = pytest.mark.multirank

@@ -20,7 +20,7 @@ import functools
 
 import pytest
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tests._sharding_workers import runtime_worker
 
 pytestmark = pytest.mark.multirank

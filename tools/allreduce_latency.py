@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 
-from tensorpar import dist  # noqa: E402
-from tensorpar.dist import flight, shm  # noqa: E402
+from tensorpar import distributed as dist  # noqa: E402
+from tensorpar.distributed import flight, shm  # noqa: E402
 
 
 def worker(numel: int, rounds: int) -> dict:

@@ -143,24 +143,24 @@ def _tiny(seed=1):
 
 
 def launch_a_lambda():
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     return _api(lambda: dist.launch(lambda: 1, 2), ValueError, ["is a lambda: the spawned ranks cannot import it"])
 
 
 def launch_absurd_world():
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _dist_workers as W
     return _api(lambda: dist.launch(W.pid_worker, 100_000), ValueError, ["more local ranks than this machine"])
 
 
 def launch_world_zero():
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _dist_workers as W
     return _api(lambda: dist.launch(W.pid_worker, 0), ValueError, ["world_size"])
 
 
 def launch_nested():
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _dist_workers as W
     res = dist.launch(W.nested_launch_worker, 2, deadline=120)
     return ("clean", res[0][:160]) if all("launch() called inside" in r for r in res) else ("silent", str(res)[:160])
@@ -351,7 +351,7 @@ def _env_case(variable: str, value: str, words: str):
 
 
 def _torchrun_case(extra: dict, words: str):
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _dist_workers as W
 
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", **extra}

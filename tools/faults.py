@@ -129,7 +129,7 @@ def run_cli(argv: list[str], words: str | None, group: str, dirs: dict) -> tuple
 
 
 def _launch_case(worker, world, *args, expect, words, bound_s, **kw) -> tuple[str, str]:
-    from tensorpar import dist
+    from tensorpar import distributed as dist
 
     t0 = time.monotonic()
     try:
@@ -151,7 +151,7 @@ def launch_fault(name, *args) -> tuple[str, str]:
 
 def _launch_fault(name, tmp, *args) -> tuple[str, str]:
     import fault_cases as F
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _dist_workers as W
 
     os.environ["TENSORPAR_CHECK_COLLECTIVES"] = "0"  # what a user's launch does by default
@@ -197,7 +197,7 @@ def _launch_fault(name, tmp, *args) -> tuple[str, str]:
 def _drifting_replicas() -> tuple[str, str]:
     """One rank's optimizer with another learning rate, and ranks fed different batches, in
     train_step(audit=True): both named, with the ranks."""
-    from tensorpar import dist
+    from tensorpar import distributed as dist
     from tests import _audit_workers as A
 
     t0 = time.monotonic()
@@ -216,7 +216,7 @@ def _launcher_case(how: str) -> tuple[str, str]:
         script = directory / "launcher.py"
         script.write_text(
             f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n"
-            "from tensorpar import dist\nfrom tests import _dist_workers as W\n"
+            "from tensorpar import distributed as dist\nfrom tests import _dist_workers as W\n"
             "if __name__ == '__main__':\n"
             "    try:\n"
             f"        dist.launch(W.sleepy_worker_with_pid, 2, {str(directory)!r})\n"

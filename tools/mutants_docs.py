@@ -15,7 +15,7 @@ MUTANTS = [
       'p.add_argument("--save-every", type=int, default=None, metavar="K",',
       'p.add_argument("--checkpoint-every", dest="save_every", type=int, default=None, metavar="K",',
       (T, "-m", "not multirank", "-k", "cli_reference")),
-    M("docs: an environment variable read under a name the docs do not give", "dist/settings.py",
+    M("docs: an environment variable read under a name the docs do not give", "distributed/settings.py",
       'return _choice("TENSORPAR_TRACEBACK", ("0", "1"), "0") == "1"',
       'return _choice("TENSORPAR_TRACE", ("0", "1"), "0") == "1"',
       (T, "-m", "not multirank", "-k", "environment_variable")),

@@ -13,21 +13,21 @@ MUTANTS = [
     M("graph: the demo's parser loads numpy for --help", "cli/demo.py",
       "import sys", "import sys; from tensorpar.reference import run_mlp_demo  # noqa: F401",
       (G, "-k", "starts_without_torch")),
-    M("graph: an import between tensorpar modules hidden in a function", "dist/groups.py",
+    M("graph: an import between tensorpar modules hidden in a function", "distributed/groups.py",
       "return tdist.new_group(ranks=sorted(ranks), backend=shm.BACKEND if backend == \"shm\" else backend)",
-      "from tensorpar.dist import shm; return tdist.new_group(ranks=sorted(ranks), "
+      "from tensorpar.distributed import shm; return tdist.new_group(ranks=sorted(ranks), "
       "backend=shm.BACKEND if backend == \"shm\" else backend)",
       (G, "-k", "deferred")),
-    M("graph: a module cycle closed inside a function", "dist/rendezvous.py",
+    M("graph: a module cycle closed inside a function", "distributed/rendezvous.py",
       "sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))",
-      "from tensorpar.dist import launcher; sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, "
+      "from tensorpar.distributed import launcher; sweep_dead(tempfile.gettempdir(), _RDZV_PREFIX, "
       "lambda path: shutil.rmtree(path, ignore_errors=True))",
       (G, "-k", "module")),
     M("graph: a stdlib import deferred into a function", "data/tokens.py",
       "mode = path.stat().st_mode", "import stat; mode = path.stat().st_mode",
       (G, "-k", "deferred")),
-    M("graph: a one-letter module alias (C, the collectives here, sharding's commit elsewhere)", "dist/mappings.py",
-      "from tensorpar.dist import collectives", "from tensorpar.dist import collectives as C",
+    M("graph: a one-letter module alias (C, the collectives here, sharding's commit elsewhere)", "distributed/mappings.py",
+      "from tensorpar.distributed import collectives", "from tensorpar.distributed import collectives as C",
       (G, "-k", "aliases")),
     M("graph: F for another module than torch.nn.functional", "reference/advice.py",
       "from __future__ import annotations", "from __future__ import annotations; from tensorpar.reference import costs as F",

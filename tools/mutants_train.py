@@ -87,6 +87,6 @@ MUTANTS = [
     M("[train] verify: a nested text config's layers ignored (--inject-fault refused)", "jobs/verify.py",
       "return next((n for c in configs.text_configs(config) if (n := configs.n_layers(c))), 0)",
       "return configs.n_layers(config) or 0", ("tests/test_cli_jobs.py", "-k", "nested")),
-    M("[train] mesh: dp > 1 without a data-parallel engine accepted", "dist/dp_engines.py",
+    M("[train] mesh: dp > 1 without a data-parallel engine accepted", "distributed/dp_engines.py",
       "if data_parallel is None and \"dp\" in names and mesh[\"dp\"].size() > 1:", "if False:", MESH_NEW),
 ]

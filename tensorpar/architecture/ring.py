@@ -11,7 +11,7 @@ and ``p`` ranks, each rank sends::
                                 (gloo/broadcast.cc: N per child, ceil(log2 p) at src), shared
                                 memory (the source writes N once, every peer reads it)
 
-The runtime's ledger records these (``tensorpar.dist.ledger``) and the planner predicts with
+The runtime's ledger records these (``tensorpar.distributed.ledger``) and the planner predicts with
 them: one float expression, so a prediction equals a record bit for bit. The exact fractions
 live apart in ``tensorpar.reference.costs`` (the oracle, which shares no code with this).
 """

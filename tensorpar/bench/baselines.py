@@ -1,6 +1,6 @@
 """PyTorch's own tensor parallelism (DTensor), the baseline tensorpar is measured against.
 
-This module is the one place outside tensorpar.dist that touches torch.distributed: it must,
+This module is the one place outside tensorpar.distributed that touches torch.distributed: it must,
 since the baseline *is* torch.distributed.tensor.parallel. tensorpar's own code never uses it.
 """
 from __future__ import annotations

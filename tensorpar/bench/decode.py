@@ -3,7 +3,7 @@
 Variants, interleaved round by round (:func:`~tensorpar.bench.timing.interleaved`), each timed
 on the slowest rank, at batch 1 and 8, a 32-token prompt and 32 greedy tokens:
 
-- ``shm``: tensorpar (``load_sharded``) on a group over shared memory (:mod:`tensorpar.dist.shm`),
+- ``shm``: tensorpar (``load_sharded``) on a group over shared memory (:mod:`tensorpar.distributed.shm`),
   ``tensorpar.generate`` with its default engine: the lean forward (:mod:`tensorpar.models.lean`);
 - ``shm_hf``: the same split model stepped through Hugging Face's forward (``engine="hf"``);
 - ``gloo``: the lean forward on the gloo world group (loopback TCP);
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads
 from tensorpar.models.checkpoint import load_sharded

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.bench.baselines import torch_tp_mlp
-from tensorpar.dist.collectives import split_own
+from tensorpar.distributed.collectives import split_own
 from tensorpar.bench.timing import (interleaved, medians, on_rank0_with_threads, paired_ratio,
                                     wait_ready)
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA, BENCH_MIXTRAL, BENCH_PHI3
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio, wait_ready
 from tensorpar.models.checkpoint import load_sharded

@@ -39,7 +39,7 @@ import httpx2
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.generation import generate

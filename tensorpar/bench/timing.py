@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 
 def timed(fn, group=None) -> float:

@@ -1,7 +1,7 @@
 """Training suite: a training step of the ~25M Llama (``BENCH_LLAMA``) on 2 ranks, tensorpar's data
 and tensor parallelism against PyTorch's own composition (FSDP2 + DTensor tensor parallelism, as
 torchtitan builds it), and the checkpoints each writes; all in one launch over shared memory
-(``backend="auto"``: :mod:`tensorpar.dist.shm`), one thread per rank, float32.
+(``backend="auto"``: :mod:`tensorpar.distributed.shm`), one thread per rank, float32.
 
 Every variant is built from the same dense weights and takes the same full step on the same global
 batch: forward, mean next-token cross-entropy, backward, gradient clipping at ``MAX_NORM``, AdamW:
@@ -42,11 +42,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.bench.timing import interleaved, medians, on_rank0_with_threads, paired_ratio
-from tensorpar.dist import pytorch_parallel
-from tensorpar.dist.dp_engines import init_mesh
+from tensorpar.distributed import pytorch_parallel
+from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.models import saving
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.models.training import train_step

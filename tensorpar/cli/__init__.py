@@ -60,6 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch_errors() -> tuple:
     """The launcher's errors, without importing torch for commands that never launch."""
-    launcher = sys.modules.get("tensorpar.dist.launcher")  # loaded by any command that launched ranks
+    launcher = sys.modules.get("tensorpar.distributed.launcher")  # loaded by any command that launched ranks
     return () if launcher is None else (launcher.RankFailedError, launcher.LaunchTimeoutError)
 

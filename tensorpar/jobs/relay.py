@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 
-from tensorpar.dist.rendezvous import under_torchrun
+from tensorpar.distributed.rendezvous import under_torchrun
 
 
 class Sink:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_tp, dense_model, is_decoder, no_phase, nonfinite,
                                    open_checkpoint, parse_dtype, quiet_transformers)
 from tensorpar.jobs.run_generation import (NOT_PREDICTED, SAMPLING, generate_rows, generation_result, generation_task,

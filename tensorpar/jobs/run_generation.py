@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.registry import LEAN_TYPES
 from tensorpar.data.tokens import has_tokenizer
 from tensorpar.jobs.common import check_length, vocab_size

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import uvicorn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture import registry
 from tensorpar.data.tokens import has_tokenizer
 from tensorpar.jobs.common import DTYPES, check_tp, is_decoder, max_positions, open_checkpoint, parse_dtype, quiet_transformers

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.data import batch_for_step, open_tokens
-from tensorpar.dist import dp_engines
+from tensorpar.distributed import dp_engines
 from tensorpar.jobs import train_checks as checks
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers, vocab_size)

@@ -19,8 +19,8 @@ import math
 import os
 from pathlib import Path
 
-from tensorpar import dist
-from tensorpar.dist.rendezvous import BACKENDS, under_torchrun
+from tensorpar import distributed as dist
+from tensorpar.distributed.rendezvous import BACKENDS, under_torchrun
 from tensorpar.models.saving import LATEST, check_writable, record, resolve
 from tensorpar.sharding import sequence
 from tensorpar.sharding.inventory import build_inventory

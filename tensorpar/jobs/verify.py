@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture import configs
 from tensorpar.jobs.common import (DTYPES, TOLERANCE, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    nonfinite, open_checkpoint, parse_dtype, quiet_transformers)

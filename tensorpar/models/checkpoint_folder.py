@@ -19,7 +19,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from tensorpar.dist import dcp
+from tensorpar.distributed import dcp
 
 LATEST, COMPLETE = "latest", "COMPLETE"
 _STEP_FOLDER = re.compile(r"step-\d{8}(\.[0-9a-f]{8})?")  # what save names a step's folder, and nothing else

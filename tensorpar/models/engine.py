@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.generation import _best_k, _vocab_size
 from tensorpar.models.lean import _allowed, _mm, _rope, lean_decoder
 from tensorpar.models.sampling import Sampler, choose, gumbel

@@ -26,7 +26,7 @@ import inspect
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.models.lean import lean_decoder
 from tensorpar.models.sampling import Sampler, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear

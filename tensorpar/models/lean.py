@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture import registry
-from tensorpar.dist.ledger import Ledger, active_ledger
+from tensorpar.distributed.ledger import Ledger, active_ledger
 from tensorpar.nn import regions
 from tensorpar.nn.attention import ReplicatedHeadLinear
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

@@ -9,7 +9,7 @@ blocks (a block several ranks hold, as a replicated tensor, is written once, by 
 Loading asks each rank's blocks in its own layout, and DCP reads them from whatever blocks were
 written: a checkpoint saved at dp 2 x tp 2 loads at tp 4, tp 1 or dp 4. DCP's own tools read it
 (its ``format_utils.dcp_to_torch_save`` gives the dense state dict). The DCP calls themselves are
-in :mod:`tensorpar.dist.dcp`.
+in :mod:`tensorpar.distributed.dcp`.
 
 Atomic: a save writes into a hidden folder, and only when every rank has finished does rank 0
 write its ``COMPLETE`` record, move it to ``step-NNNNNNNN`` and replace the ``latest`` pointer
@@ -22,7 +22,7 @@ when the world size is the same).
 
 A checkpoint folder is not trusted: nothing in it may run code or make tensorpar read, write or
 delete outside it (its ``latest`` and step folders: :mod:`tensorpar.models.checkpoint_folder`;
-its metadata, data files and non-tensor items: :func:`tensorpar.dist.dcp.checked_metadata`), all
+its metadata, data files and non-tensor items: :func:`tensorpar.distributed.dcp.checked_metadata`), all
 checked before anything is loaded.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from tensorpar import dist
-from tensorpar.dist import dcp
+from tensorpar import distributed as dist
+from tensorpar.distributed import dcp
 from tensorpar.models import checkpoint_folder as cf
 from tensorpar.models.checkpoint_folder import COMPLETE, LATEST, NoSpaceError, check_writable  # noqa: F401 (the API)
 from tensorpar.models.training import fsdp_first_row

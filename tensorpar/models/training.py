@@ -23,7 +23,7 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.nn import ColumnParallelLinear, vocab_parallel_cross_entropy
 from tensorpar.sharding.audit import ReplicaDriftError, check_same_inputs
 from tensorpar.sharding.audit import audit as audit_replicas

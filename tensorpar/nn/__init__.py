@@ -3,7 +3,7 @@
 Megatron-LM's partitions (Shoeybi et al. 2019): column- and row-parallel linears, the
 vocab-parallel embedding and cross-entropy, the MLP and attention blocks split so that each
 costs one all-reduce forward and one backward, and optional sequence parallelism between
-blocks. Collectives go through :mod:`tensorpar.dist`; the group is always passed as
+blocks. Collectives go through :mod:`tensorpar.distributed`; the group is always passed as
 ``tp_group=`` (None: the world group). The partition math of each layer is in its docstring and
 in docs/layers.md.
 """

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.nn.attention_ops import KVCache, attention_core, check_attn_mask
 from tensorpar.nn.dense import Attention
 from tensorpar.nn.layers import ColumnParallelLinear, RowParallelLinear, enter_tp_region, tp_info

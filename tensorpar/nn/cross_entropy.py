@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.nn.layers import tp_info
 from tensorpar.architecture.tp_rules import padded_range
 from tensorpar.nn.validation import check_choice

@@ -4,7 +4,7 @@ Row-vector convention ``Y = X A``, ``A: (in, out)``; modules store ``weight = A.
 ``nn.Linear`` does, so a shard is a slice of a Hugging Face weight. Every layer initialises the
 full master weight from the torch RNG and slices it (tp=1 and tp=p give the same model from one
 seed), or slices an existing dense module with ``from_dense``. Collectives go through
-``tensorpar.dist``; ``N`` below is the byte size of the named tensor, ``p`` the tp size.
+``tensorpar.distributed``; ``N`` below is the byte size of the named tensor, ``p`` the tp size.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.tp_rules import divide, padded_range, padded_size
 from tensorpar.nn.validation import (check_dtype, check_ids, check_last_dim, check_positive,
                                      check_seq_divisible, check_sequence_input)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.nn.layers import tp_info
 from tensorpar.nn.validation import check_choice, check_dtype, check_last_dim
 

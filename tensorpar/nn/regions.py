@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 
 
 def hidden_input(args, kwargs) -> torch.Tensor | None:

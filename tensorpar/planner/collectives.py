@@ -47,7 +47,7 @@ def ring_bytes_sent(op: str, payload_bytes: float, p: int) -> float:
     _check(op, p)
     if p == 1 and op != "send":
         return 0
-    # The same float expression as tensorpar.dist.ledger, so predictions equal records bit for bit.
+    # The same float expression as tensorpar.distributed.ledger, so predictions equal records bit for bit.
     factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}.get(op, 1.0)
     sent = factor * payload_bytes
     return int(sent) if float(sent).is_integer() else sent

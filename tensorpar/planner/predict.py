@@ -1,7 +1,7 @@
 """The collectives tensorpar's runtime issues for a Hugging Face model, predicted before it runs.
 
 ``predict_collectives(hf_config, tp, batch, seq, bytes_per_elem, workload)`` lists, per tp rank,
-every collective that ``tensorpar.dist.ledger`` records when a model parallelized by
+every collective that ``tensorpar.distributed.ledger`` records when a model parallelized by
 ``tensorpar.parallelize`` runs one of these workloads on a batch of ``batch`` sequences:
 
     workload   what runs                                            items (N = b s h e, t = tp)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.sharding.commit import restore_tags
 
 

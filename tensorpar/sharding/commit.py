@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture import registry
 from tensorpar.architecture.configs import is_count
 from tensorpar.architecture.tp_rules import kv_split, local_heads

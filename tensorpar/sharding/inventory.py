@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from tensorpar.dist.groups import PlanningGroup
+from tensorpar.distributed.groups import PlanningGroup
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.norm import ShardedRMSNorm
 from tensorpar.architecture.split_model import (AttentionLayer, CollectiveSite, LayerActivations, Matmul, ParamShards,

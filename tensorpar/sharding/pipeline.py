@@ -29,9 +29,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.plans import generic
-from tensorpar.dist import dp_engines
+from tensorpar.distributed import dp_engines
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
 from tensorpar.sharding import marks, probes, sequence
@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     ``mesh``: a ``DeviceMesh`` with dimensions ``("dp", "tp")`` instead of ``tp_group``: tensor
     parallelism inside ``mesh["tp"]``, data parallelism across ``mesh["dp"]`` by PyTorch's own
     engines, ``data_parallel="ddp"`` (replicated, ZeRO-0) or ``"fsdp"`` (FSDP2, ZeRO-3); see
-    :mod:`tensorpar.dist.dp_engines`. Each dp rank then trains on its own slice of the batch.
+    :mod:`tensorpar.distributed.dp_engines`. Each dp rank then trains on its own slice of the batch.
 
     ``sequence_parallel=True``: between the regions of each block (norms, residuals, dropout)
     every rank holds only its chunk of the sequence, all-gathered into each region and

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorpar import dist
+from tensorpar import distributed as dist
 from tensorpar.architecture.plans import generic
 from tensorpar.sharding import probes
 from tensorpar.sharding.discover import first_tensor

@@ -2,8 +2,8 @@
 
 Every half second (:meth:`Monitor.check`) the launcher asks, in this order:
 
-1. is a rank stopped or silent (:mod:`tensorpar.dist.liveness`)? :class:`RankUnresponsiveError`;
-2. are two ranks of one group in different collectives (:func:`tensorpar.dist.flight.find_mismatch`)?
+1. is a rank stopped or silent (:mod:`tensorpar.distributed.liveness`)? :class:`RankUnresponsiveError`;
+2. are two ranks of one group in different collectives (:func:`tensorpar.distributed.flight.find_mismatch`)?
    :class:`MismatchedCollectivesError` — not asked while a rank is stopped or its heartbeat lags:
    its last recorded state may be a collective it had finished when it stopped, and the ranks
    would look out of step when one of them is only stopped;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from tensorpar.dist import flight, liveness
+from tensorpar.distributed import flight, liveness
 
 # A rank past its collective timeout raises by itself within milliseconds; the launcher steps in
 # only when it has not, this long after.

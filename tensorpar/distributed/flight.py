@@ -1,8 +1,8 @@
 """The flight recorder: which collective each rank is in, so a hang or a mismatch is named.
 
-Every collective tensorpar issues (:mod:`tensorpar.dist.collectives`, ``barrier``,
+Every collective tensorpar issues (:mod:`tensorpar.distributed.collectives`, ``barrier``,
 ``broadcast_object``) passes through :func:`issuing`: it counts the collectives of each group
-(``seq``) and, on a rank started by :func:`~tensorpar.dist.launcher.launch`, writes what it is
+(``seq``) and, on a rank started by :func:`~tensorpar.distributed.launcher.launch`, writes what it is
 entering into a small shared-memory slot the launching process reads: ``{"state": "in" | "out",
 "seq", "op", "shape", "dtype", "group", "module", "t"}`` (``"checking"`` while the rank-side check
 below exchanges signatures: the launcher leaves a mismatch there to the ranks, which name it).
@@ -15,7 +15,7 @@ The launcher reads the slots every half second and stops the launch with
 ``seq``) issued differently (another op, shape or dtype), or in different ones for longer than a
 peer can take to leave the previous one; when a rank fails, dies or the deadline passes, it
 names the collective each rank was in (or that a rank was in none: the stuck one), and
-:func:`find_stuck` names the peer a rank has waited for in vain (:mod:`tensorpar.dist.monitor`).
+:func:`find_stuck` names the peer a rank has waited for in vain (:mod:`tensorpar.distributed.monitor`).
 
 Rank-side checking (``TENSORPAR_CHECK_COLLECTIVES=1``, or :func:`check_collectives`): before each
 collective the group exchanges a signature (one all-gather of 8 int64 per collective) and every
@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import settings
+from tensorpar.distributed import settings
 
 SLOT_BYTES = 1024
 _OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier", "broadcast_object",

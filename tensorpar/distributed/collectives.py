@@ -1,10 +1,10 @@
 """Raw collectives on torch.distributed, each recorded in the open ledger (if any).
 
 These are the only calls into torch.distributed's collectives; the autograd-aware operators in
-:mod:`tensorpar.dist.mappings` are built on them. All take the group explicitly (``None``: world).
+:mod:`tensorpar.distributed.mappings` are built on them. All take the group explicitly (``None``: world).
 
 Each group's collectives travel over shared memory between the ranks of one host, gloo or NCCL
-(:func:`tensorpar.dist.shm.transport`). Over gloo, reduce-scatter is tensorpar's own ring over point-to-point sends (p - 1 steps, each
+(:func:`tensorpar.distributed.shm.transport`). Over gloo, reduce-scatter is tensorpar's own ring over point-to-point sends (p - 1 steps, each
 sending one chunk of N/p): gloo's native reduce-scatter does not document its algorithm, and the
 ledger must record the bytes really sent, ``(p - 1)/p * N``. ``record_to`` names the ledger a
 collective records into (the backward of an autograd operator passes the one its forward saw,
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as tdist
 from torch.autograd.graph import increment_version
 
-from tensorpar.dist import flight, wire
-from tensorpar.dist.groups import get_rank as group_rank
-from tensorpar.dist.groups import get_world_size as group_size
-from tensorpar.dist.groups import group_name, refuse_planning
-from tensorpar.dist.ledger import Ledger, active_ledger
-from tensorpar.dist import shm
-from tensorpar.dist.shm import transport
+from tensorpar.distributed import flight, wire
+from tensorpar.distributed.groups import get_rank as group_rank
+from tensorpar.distributed.groups import get_world_size as group_size
+from tensorpar.distributed.groups import group_name, refuse_planning
+from tensorpar.distributed.ledger import Ledger, active_ledger
+from tensorpar.distributed import shm
+from tensorpar.distributed.shm import transport
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
@@ -37,7 +37,7 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
             record_to: Ledger | None = None, shape=None, src: int = 0) -> "Ledger | None":
     """Every collective's first step: a planning stand-in refuses, an open ledger records it (the
-    flight recorder, :mod:`tensorpar.dist.flight`, and :func:`_on_wire` are around the call
+    flight recorder, :mod:`tensorpar.distributed.flight`, and :func:`_on_wire` are around the call
     itself). Returns the ledger recorded into."""
     refuse_planning(group, op)
     led = record_to if record_to is not None else active_ledger()

@@ -5,7 +5,7 @@ op code and a byte count — at bytes 32 and 36, ``depart`` at byte 64: each int
 its rank only, so no atomic read-modify-write is needed), then one data slot of ``slot_bytes``
 per rank. A rank compares its peers' signatures with its own once they arrive: ranks in
 different collectives, or in one of different sizes (which gloo would report or hang on), raise
-:class:`~tensorpar.dist.flight.CollectiveMismatchError` naming both instead of reading each
+:class:`~tensorpar.distributed.flight.CollectiveMismatchError` naming both instead of reading each
 other's bytes. A collective is a sequence of *rounds*; in round ``g`` a rank waits
 until every peer has left round ``g - 1`` (its slot may be overwritten), writes its slot, sets
 ``arrive = g``, waits until every peer has arrived, reads what it needs from the slots and sets
@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from tensorpar.dist.flight import CollectiveMismatchError
-from tensorpar.dist.reaper import pid_alive, sweep_dead
+from tensorpar.distributed.flight import CollectiveMismatchError
+from tensorpar.distributed.reaper import pid_alive, sweep_dead
 
 SHM_DIR = "/dev/shm"
 PREFIX = "tensorpar-shm-"

@@ -1,7 +1,7 @@
 """The communication ledger: every collective this rank issues, with the bytes it sends.
 
 ``with ledger() as led:`` opens a recording scope on this process; collectives issued inside it
-(through :mod:`tensorpar.dist.collectives`) append a :class:`CollectiveRecord`. Bytes sent per
+(through :mod:`tensorpar.distributed.collectives`) append a :class:`CollectiveRecord`. Bytes sent per
 rank follow the ring algorithms (Patarasuk & Yuan 2009; NCCL docs, "PERFORMANCE.md"):
 
     all-reduce                  2 (p - 1) / p * N
@@ -16,7 +16,7 @@ reduce-scatter's input. These are the formula (:func:`tensorpar.architecture.rin
 applied to the recorded calls, the same formula the planner predicts with: "ledger equals
 planner" checks the calls and their sizes. What the sockets really carried is a separate measure: ``ledger(wire=True)`` also records, for each synchronous
 collective on gloo, the bytes this process's TCP sockets sent and received during the call
-(:mod:`tensorpar.dist.wire`, from the kernel's counters), in ``wire_bytes_sent`` /
+(:mod:`tensorpar.distributed.wire`, from the kernel's counters), in ``wire_bytes_sent`` /
 ``wire_bytes_received`` (``None`` where not measured: NCCL, asynchronous calls).
 
 While a ledger is open, global module hooks keep a stack of the modules being run, so each record
@@ -69,7 +69,7 @@ class Ledger:
     names: dict = field(default_factory=dict)  # id(module) -> qualified name
     records: list = field(default_factory=list)
     is_open: bool = True
-    wire: bool = False  # also count the bytes on the wire (tensorpar.dist.wire) of each synchronous call
+    wire: bool = False  # also count the bytes on the wire (tensorpar.distributed.wire) of each synchronous call
     _stack: list = field(default_factory=list)
 
     def current_module(self) -> str:
@@ -162,7 +162,7 @@ def ledger(model: torch.nn.Module | None = None, *, wire: bool = False):
     ``model``: name records by ``model.named_modules()`` (e.g. ``"layers.0.mlp.down_proj"``);
     without it, by class name. Ledgers nest: the inner one records, the outer resumes after.
     ``wire``: also count each synchronous call's bytes on the wire (gloo on Linux; tens of
-    microseconds a call, see :mod:`tensorpar.dist.wire`).
+    microseconds a call, see :mod:`tensorpar.distributed.wire`).
     """
     led = Ledger(names={id(m): (name or type(m).__name__) for name, m in model.named_modules()} if model else {},
                  wire=wire)

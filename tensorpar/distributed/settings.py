@@ -1,7 +1,7 @@
 """The ``TENSORPAR_*`` environment variables that change how ranks run, each read by one checked
 reader: a bad value is a ``ValueError`` naming the variable, its value and the valid choices.
 
-Read when used, never at import (a bad value must not make ``import tensorpar.dist`` fail with a
+Read when used, never at import (a bad value must not make ``import tensorpar.distributed`` fail with a
 traceback), and all checked by :func:`check_all`, which the launcher calls before any rank
 starts: a rank that met the bad value later would fail after its peers had started. Stdlib only:
 the shared-memory backend, the flight recorder and the rendezvous all read through here.
@@ -81,7 +81,7 @@ def rendezvous() -> str:
     """``TENSORPAR_RENDEZVOUS``: what a launch does with torchrun's variables (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) set without torchrun's agent: ``"env"``
     joins the job they describe, ``"local"`` ignores them and starts local ranks; unset, such a
-    launch is refused at once (:mod:`tensorpar.dist.rendezvous`)."""
+    launch is refused at once (:mod:`tensorpar.distributed.rendezvous`)."""
     return _choice("TENSORPAR_RENDEZVOUS", ("env", "local"), "")
 
 
@@ -93,13 +93,13 @@ def rendezvous_timeout() -> float:
 
 def max_local_ranks() -> int | None:
     """``TENSORPAR_MAX_LOCAL_RANKS``: the most ranks one launch may start on this machine,
-    replacing the CPU and memory rule of :func:`tensorpar.dist.preflight.check_local_world`."""
+    replacing the CPU and memory rule of :func:`tensorpar.distributed.preflight.check_local_world`."""
     return _integer("TENSORPAR_MAX_LOCAL_RANKS", None, 1, 1 << 20)
 
 
 def unresponsive_timeout() -> float | None:
     """``TENSORPAR_UNRESPONSIVE_TIMEOUT``: seconds a rank may be stopped or silent before the
-    launch ends (default: :mod:`tensorpar.dist.liveness`'s bounds; raise it to attach a debugger)."""
+    launch ends (default: :mod:`tensorpar.distributed.liveness`'s bounds; raise it to attach a debugger)."""
     return _seconds("TENSORPAR_UNRESPONSIVE_TIMEOUT", None, 3.0)
 
 

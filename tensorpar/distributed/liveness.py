@@ -23,7 +23,7 @@ import ctypes
 import threading
 import time
 
-from tensorpar.dist import settings
+from tensorpar.distributed import settings
 
 BEAT_S = 1.0
 STOPPED_S = 5.0

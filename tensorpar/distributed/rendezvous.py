@@ -13,15 +13,15 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import settings, shm
-from tensorpar.dist.reaper import sweep_dead
+from tensorpar.distributed import settings, shm
+from tensorpar.distributed.reaper import sweep_dead
 
 BACKENDS = ("auto", "shm", "gloo", "nccl")
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """The torch.distributed backend for ``backend``: ``"auto"`` is NCCL with a GPU per rank, else
-    :mod:`tensorpar.dist.shm` (shared memory between the ranks of one host, gloo between hosts,
+    :mod:`tensorpar.distributed.shm` (shared memory between the ranks of one host, gloo between hosts,
     chosen per group); ``"shm"`` that backend; ``"gloo"`` gloo only."""
     if backend == shm.BACKEND:  # already resolved
         return backend
@@ -112,7 +112,7 @@ def bound_group_timeouts(timeout: datetime.timedelta) -> None:
 
     Only the world group is given the launch's timeout explicitly; torch gives the others
     (``new_group``, ``init_device_mesh``'s dimensions, FSDP's and DCP's groups, tensorpar's
-    :func:`~tensorpar.dist.groups.new_group`) its process-wide default, 30 minutes: a rank whose
+    :func:`~tensorpar.distributed.groups.new_group`) its process-wide default, 30 minutes: a rank whose
     sub-group peer never came waited half an hour. Set in a rank's own process, before any group."""
     import torch.distributed.distributed_c10d as c10d
     c10d.default_pg_timeout = timeout

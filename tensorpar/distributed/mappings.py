@@ -29,8 +29,8 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from tensorpar.dist import collectives
-from tensorpar.dist.ledger import active_ledger, ledger_for_backward
+from tensorpar.distributed import collectives
+from tensorpar.distributed.ledger import active_ledger, ledger_for_backward
 
 
 def _remember(ctx, group, dim=None) -> None:

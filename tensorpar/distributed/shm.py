@@ -3,7 +3,7 @@ ranks of one host, and over gloo otherwise.
 
 Why: on one machine a gloo collective goes through loopback TCP and costs about 1 ms whatever
 its size; a decode step of a split model makes two dozen of them. Over a shared segment
-(:mod:`tensorpar.dist.shm_segment`) an all-reduce of 8 KiB between two ranks takes tens of
+(:mod:`tensorpar.distributed.shm_segment`) an all-reduce of 8 KiB between two ranks takes tens of
 microseconds. No maintained package offers this for torch 2.13 on CPU without a compiler
 (DeepSpeed's and vLLM's shared-memory all-reduces are C++ extensions built against their own
 torch), so the backend is this small Python ``ProcessGroup``, registered with
@@ -53,8 +53,8 @@ import torch.distributed as tdist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from tensorpar.dist import flight, settings, shm_segment as seg
-from tensorpar.dist.ledger import active_ledger
+from tensorpar.distributed import flight, settings, shm_segment as seg
+from tensorpar.distributed.ledger import active_ledger
 
 BACKEND = "tpshm"
 _R = tdist.ReduceOp

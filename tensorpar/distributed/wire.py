@@ -7,7 +7,7 @@ traffic. This module reads the kernel's own per-socket counters (Linux ``TCP_INF
 to TCP, once, whether or not it has left yet, and ``tcpi_bytes_received``) summed over the
 process's TCP sockets, which on gloo are the connections to the peer ranks. A ledger opened with
 ``wire=True`` samples them around each synchronous collective (see
-:func:`tensorpar.dist.ledger.ledger`).
+:func:`tensorpar.distributed.ledger.ledger`).
 
 What is counted: payload plus gloo's per-message framing (tens of bytes per message) and, at small
 sizes, whatever the backend's algorithm really sends (it need not be the ring). The bytes *sent*

@@ -11,19 +11,19 @@ the OOM killer) makes the parent stop all the others and raise :class:`RankFaile
 that rank and its exception. Collectives carry ``timeout`` seconds, and ``deadline`` bounds the
 whole launch (one hour unless given), so nothing waits forever; children also ask the kernel to
 kill them if the parent dies (``PR_SET_PDEATHSIG``), so no rank outlives its launcher, and a
-reaper process (:mod:`tensorpar.dist.reaper`) stops what the ranks started if the launcher is
+reaper process (:mod:`tensorpar.distributed.reaper`) stops what the ranks started if the launcher is
 SIGKILLed.
 
-The flight recorder (:mod:`tensorpar.dist.flight`) tells the parent which collective each rank is
+The flight recorder (:mod:`tensorpar.distributed.flight`) tells the parent which collective each rank is
 in: two ranks in different collectives of one group stop the launch within seconds with
-:class:`~tensorpar.dist.flight.CollectiveMismatchError` naming both calls, and every failure or
+:class:`~tensorpar.distributed.flight.CollectiveMismatchError` naming both calls, and every failure or
 timeout says where each rank was (a rank in no collective while its peers wait is the stuck one).
-The launcher's watch (:mod:`tensorpar.dist.monitor`) also ends a launch whose rank is stopped or
-silent (:class:`RankUnresponsiveError`, in seconds: :mod:`tensorpar.dist.liveness`) or has left
+The launcher's watch (:mod:`tensorpar.distributed.monitor`) also ends a launch whose rank is stopped or
+silent (:class:`RankUnresponsiveError`, in seconds: :mod:`tensorpar.distributed.liveness`) or has left
 its peers waiting past the timeout (:class:`RankStuckError`); every group a rank makes waits at
-most ``timeout`` (:func:`~tensorpar.dist.rendezvous.bound_group_timeouts`).
+most ``timeout`` (:func:`~tensorpar.distributed.rendezvous.bound_group_timeouts`).
 
-Before any process starts, :mod:`tensorpar.dist.preflight` refuses what cannot work: a function
+Before any process starts, :mod:`tensorpar.distributed.preflight` refuses what cannot work: a function
 the ranks cannot import, a launch inside a rank, more ranks than the machine holds, bad
 ``TENSORPAR_*`` variables, torchrun's variables left over from another job.
 """
@@ -48,12 +48,12 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as tdist
 
-from tensorpar.dist import flight, liveness, preflight, settings
-from tensorpar.dist.monitor import (LaunchTimeoutError, MismatchedCollectivesError, Monitor, RankFailedError,
+from tensorpar.distributed import flight, liveness, preflight, settings
+from tensorpar.distributed.monitor import (LaunchTimeoutError, MismatchedCollectivesError, Monitor, RankFailedError,
                                     RankStuckError, RankUnresponsiveError)
-from tensorpar.dist.reaper import Reaper
-from tensorpar.dist.shm_segment import sweep_stale
-from tensorpar.dist.rendezvous import (_RDZV_PREFIX, _init_group, _sweep_stale_rendezvous, init_from_env,
+from tensorpar.distributed.reaper import Reaper
+from tensorpar.distributed.shm_segment import sweep_stale
+from tensorpar.distributed.rendezvous import (_RDZV_PREFIX, _init_group, _sweep_stale_rendezvous, init_from_env,
                                        resolve_backend, under_torchrun)
 
 __all__ = ["launch", "RankFailedError", "RankStuckError", "RankUnresponsiveError", "LaunchTimeoutError",
@@ -107,7 +107,7 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
 # What the fork server imports once, so that each rank forked from it starts with them loaded
 # (a rank that imports torch and transformers itself takes seconds; a fork, milliseconds).
 # Modules missing here (transformers is an optional extra) are skipped by the server.
-PRELOAD = ("torch", "torch.distributed", "tensorpar.dist", "tensorpar.nn", "transformers",
+PRELOAD = ("torch", "torch.distributed", "tensorpar.distributed", "tensorpar.nn", "transformers",
            "transformers.modeling_utils")
 _SERVER_ENV: dict = {}  # {"key": the environment the fork server started with}
 # Variables no module reads at import, which change while a process runs: pytest names the

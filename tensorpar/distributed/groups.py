@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.distributed as tdist
 
-from tensorpar.dist import flight, shm
+from tensorpar.distributed import flight, shm
 
 
 def is_initialized() -> bool:
@@ -30,7 +30,7 @@ class PlanningGroup:
     builders for rank ``r`` without processes, so the shards every rank would hold are read from a
     config alone (``tensorpar.sharding.inventory``). A collective on it raises
     :class:`PlanningGroupError` (:func:`refuse_planning`, the first step of every collective of
-    :mod:`tensorpar.dist`).
+    :mod:`tensorpar.distributed`).
     """
 
     def __init__(self, size: int, rank: int):
@@ -58,7 +58,7 @@ def refuse_planning(group, op: str) -> None:
     """Raise :class:`PlanningGroupError` for a collective ``op`` on a :class:`PlanningGroup`."""
     if isinstance(group, PlanningGroup):
         raise PlanningGroupError(f"{op} on {group!r}: a planning stand-in moves no data (use a process "
-                                 f"group from tensorpar.dist.launch or new_group)")
+                                 f"group from tensorpar.distributed.launch or new_group)")
 
 
 def get_rank(group=None) -> int:
@@ -95,7 +95,7 @@ def get_backend(group=None) -> str:
 def new_group(ranks: list[int], backend: str | None = None):
     """A sub-group of the given global ranks; every rank must call it with the same list.
     ``backend``: the world's (default), ``"shm"`` (shared memory where the ranks share a host,
-    :mod:`tensorpar.dist.shm`) or ``"gloo"``."""
+    :mod:`tensorpar.distributed.shm`) or ``"gloo"``."""
     world = tdist.get_world_size()
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or len(set(ranks)) != len(ranks) or not ranks:

@@ -1,20 +1,20 @@
-"""tensorpar.dist: process groups, the local launcher, autograd-aware collectives and the ledger.
+"""tensorpar.distributed: process groups, the local launcher, autograd-aware collectives and the ledger.
 
 The only package that calls torch.distributed. Every collective takes its group explicitly
 (``group=None``: the default, world group).
 """
-from tensorpar.dist.collectives import all_gather, all_reduce, broadcast, reduce_scatter
-from tensorpar.dist.flight import CollectiveMismatchError, check_collectives
-from tensorpar.dist.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
+from tensorpar.distributed.collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from tensorpar.distributed.flight import CollectiveMismatchError, check_collectives
+from tensorpar.distributed.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
                                    get_backend, get_rank, get_world_size, is_initialized, new_group)
-from tensorpar.dist.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, RankStuckError,
+from tensorpar.distributed.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, RankStuckError,
                                      RankUnresponsiveError, launch)
-from tensorpar.dist.preflight import check_local_world, check_world
-from tensorpar.dist.rendezvous import init_from_env, resolve_backend
-from tensorpar.dist.shm import transport
-from tensorpar.dist.shm_segment import ShmPeerError
-from tensorpar.dist.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
-from tensorpar.dist.mappings import (
+from tensorpar.distributed.preflight import check_local_world, check_world
+from tensorpar.distributed.rendezvous import init_from_env, resolve_backend
+from tensorpar.distributed.shm import transport
+from tensorpar.distributed.shm_segment import ShmPeerError
+from tensorpar.distributed.ledger import CollectiveRecord, Ledger, ledger, ring_bytes_sent
+from tensorpar.distributed.mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,

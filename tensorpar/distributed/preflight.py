@@ -6,8 +6,8 @@ value and what is valid.
 - a launch from inside a rank (a rank cannot start ranks of its own);
 - a world size that is not a positive integer, or more local ranks than the machine can hold
   (:func:`check_local_world`);
-- a bad ``TENSORPAR_*`` variable (:mod:`tensorpar.dist.settings`), and torchrun's variables left
-  over from another job (:func:`tensorpar.dist.rendezvous.check_torchrun_env`).
+- a bad ``TENSORPAR_*`` variable (:mod:`tensorpar.distributed.settings`), and torchrun's variables left
+  over from another job (:func:`tensorpar.distributed.rendezvous.check_torchrun_env`).
 
 :func:`check_world` is everything about the world, for a command (``tensorpar train``) that wants
 the refusal before its own preparation.
@@ -19,8 +19,8 @@ import os
 import sys
 from multiprocessing.reduction import ForkingPickler
 
-from tensorpar.dist import settings
-from tensorpar.dist.rendezvous import check_torchrun_env, under_torchrun
+from tensorpar.distributed import settings
+from tensorpar.distributed.rendezvous import check_torchrun_env, under_torchrun
 
 # Ranks per CPU core a machine is allowed: each rank runs one compute thread (OMP_NUM_THREADS=1);
 # at 4 per core a rank still gets a quarter of a core, enough to answer its peers and its
@@ -32,7 +32,7 @@ RANK_MIB = 150
 
 
 def check_launch(fn, world_size, timeout, deadline) -> None:
-    """Everything :func:`~tensorpar.dist.launch` refuses before it starts a process."""
+    """Everything :func:`~tensorpar.distributed.launch` refuses before it starts a process."""
     check_not_in_rank()
     check_fn(fn)
     if not timeout > 0:
