@@ -32,4 +32,15 @@ MUTANTS = [
     M("graph: F for another module than torch.nn.functional", "reference/advice.py",
       "from __future__ import annotations", "from __future__ import annotations; from tensorpar.reference import costs as F",
       (G, "-k", "aliases")),
+    # the former name tensorpar.dist: the same module objects, never a copy; not used inside the package
+    M("graph: the former-name finder after the path finders (a second copy of each module)", "__init__.py",
+      "sys.meta_path.insert(0, _FormerNames())", "sys.meta_path.append(_FormerNames())",
+      (G, "-k", "former_name_dist")),
+    M("graph: a module under its former name keeps the alias spec", "__init__.py",
+      "module.__spec__ = module.__spec__.loader_state[\"spec\"]  # the module keeps its own spec", "pass",
+      (G, "-k", "former_name_dist")),
+    M("graph: a module of the package imports the former name", "distributed/launcher.py",
+      "from tensorpar.distributed import flight, liveness, preflight, settings",
+      "from tensorpar.dist import flight, liveness, preflight, settings",
+      (G, "-k", "former_name_of_distributed")),
 ]
