@@ -37,9 +37,29 @@ SEARCH = ("--search", "--devices", str(DEVICES), "--hardware", "a100-80gb", "--j
 LAYOUTS = {(t, p, DEVICES // (t * p)) for t in (1, 2, 4, 8, 16) for p in (1, 2, 4, 8, 16) if DEVICES % (t * p) == 0}
 
 
+# Fields transformers' default config leaves None although its own model needs them: without them
+# ``AutoModelForCausalLM.from_config`` fails on its own (``head_dim ** -0.5`` of None, ``heads // None``,
+# ``torch.empty(None, ...)``), so that default config is not a model. Completed as a real checkpoint
+# of the family sets them (the default sizes are that checkpoint's); the planner completes nothing.
+# :func:`test_the_completed_fields_are_ones_transformers_cannot_build_without` keeps each needed.
+COMPLETED = {
+    "ministral": {"head_dim": 128},  # Ministral-8B-Instruct-2410: 4096 hidden / 32 heads
+    "hunyuan_v1_dense": {"head_dim": 128},  # Hunyuan-7B: 4096 hidden / 32 heads
+    "hunyuan_v1_moe": {"head_dim": 128},  # Hunyuan-A13B: 4096 hidden / 32 heads
+    "nemotron": {"num_key_value_heads": 8},  # Nemotron-4-15B (6144 hidden, 48 heads, 32 layers): 8 KV heads
+    "dots1": {"n_routed_experts": 128, "n_shared_experts": 2, "num_experts_per_tok": 6},  # dots.llm1.base
+    # Qwen4-Exp's default layers are "indexed_attention" (QSA), whose indexer has no default and no
+    # published checkpoint: one key head (the validator requires it), the query heads of the model
+    # (16), the head dim of its attention (256, the least the validator allows with full rotary),
+    # a budget of 2048 tokens (DeepSeek-V3.2's indexer top-k) in blocks of 64.
+    "qwen4_exp_text": {"indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 256,
+                       "indexer_budget": 2048, "indexer_compress_ratio": 64},
+}
+
+
 def _default_config(arch: str, root) -> str:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    CONFIG_MAPPING[arch]().save_pretrained(root)
+    CONFIG_MAPPING[arch](**COMPLETED.get(arch, {})).save_pretrained(root)
     return str(root)
 
 
@@ -96,3 +116,41 @@ def test_inventory_is_the_same_plan(tmp_path, capsys):
     make_tiny_config("qwen2_moe").save_pretrained(tmp_path)
     argv = ("--model", str(tmp_path), "--search", "--devices", "4", "--seq", "32", "--json")
     assert _plan(capsys, *argv) == _plan(capsys, *argv, "--inventory")
+
+
+@pytest.mark.parametrize("arch", list(COMPLETED))
+def test_the_completed_fields_are_ones_transformers_cannot_build_without(arch):
+    """Each :data:`COMPLETED` entry is needed: transformers itself cannot build its default config
+    on the meta device (a completion it no longer needs must go: the default is then planned as is)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    with pytest.raises(TypeError), torch.device("meta"):
+        AutoModelForCausalLM.from_config(CONFIG_MAPPING[arch]())
+
+
+@pytest.mark.parametrize("arch", ["rwkv", "llama"])
+def test_pipeline_stages_send_their_boundary_activations(arch, tmp_path, capsys):
+    """A pp 2 layout's first stage sends micro-batch x seq x hidden x bytes each micro-batch, read
+    from the config's hidden size, also where the model has no attention heads (RWKV: the planner
+    once sent 0 bytes between its stages)."""
+    from tensorpar.models.tiny import make_tiny_config
+    config = make_tiny_config(arch)
+    config.save_pretrained(tmp_path)
+    rc, r = _plan(capsys, "--model", str(tmp_path), "--pp", "2", "--micro-batch", "3", "--global-batch", "6",
+                  "--seq", "40", "--dtype", "fp32", "--json")
+    sends = [c for c in r["comm"]["per_step"] if c["op"] == "send"]
+    assert [(c["where"], c["payload_bytes"], c["count"]) for c in sends] == [
+        ("pipeline.activation", 3 * 40 * config.hidden_size * 4, 2)], r["comm"]
+    assert r["comm"]["bytes_sent_per_device_per_step"]["pp"] == 2 * 3 * 40 * config.hidden_size * 4
+    assert (r["model"]["hidden"], r["model"]["vocab"]) == (config.hidden_size, config.vocab_size)
+
+
+def test_a_config_with_infinity_is_read_as_transformers_wrote_it(tmp_path, capsys):
+    """transformers writes Bamba's ``time_step_limit`` (0, inf) as ``[0.0, {"__float__": "Infinity"}]``
+    and reads it back as (0.0, inf); tensorpar's reader must too (it once refused the config)."""
+    from tensorpar.sharding.inventory import load_config
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    CONFIG_MAPPING["bamba"](num_hidden_layers=2).save_pretrained(tmp_path)
+    assert "__float__" in (tmp_path / "config.json").read_text()
+    assert load_config(tmp_path)[0].time_step_limit == (0.0, float("inf"))

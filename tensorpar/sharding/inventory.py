@@ -44,7 +44,7 @@ from tensorpar.planner.runtime import predict_from_inventory
 from tensorpar.sharding.pipeline import parallelize
 from tensorpar.sharding.commit import module_heads
 from tensorpar.sharding.marks import _is_experts
-from tensorpar.architecture import configs
+from tensorpar.architecture import configs, registry
 from tensorpar.architecture.plans import parent_name
 from tensorpar.sharding.model_classes import meta_model, model_class
 from tensorpar.sharding.records import Placement
@@ -78,6 +78,9 @@ def load_config(config_or_path):
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         d.setdefault("_name_or_path", path.parent.name)
+    # transformers writes a float JSON cannot hold as {"__float__": "Infinity"} (Bamba's
+    # time_step_limit (0, inf)) and decodes it on reading: read it back as transformers does.
+    d = PretrainedConfig._decode_special_floats(d)
     kind = d.get("model_type")
     if kind not in CONFIG_MAPPING:
         import transformers
@@ -133,7 +136,7 @@ def split_meta(dense, config, name, tp: int, *, head: bool) -> SplitModel:
     return SplitModel(
         name=str(name), model_type=config.model_type, model_class=type(dense).__name__, tp=tp,
         plan_source=report.source, head=head, causal=_causal(dense), layers=_layers(text),
-        hidden=dims.hidden if dims else 0, vocab=dims.vocab if dims else 0,
+        hidden=_width(text, dims, "hidden"), vocab=_width(text, dims, "vocab"),
         params=tuple(params), sites=tuple(collective_sites(ranks[0], dims)),
         matmuls=mats, attention=attention,
         dtype_bytes=_dtype_bytes(text), n_experts=_first(text, EXPERT_COUNT), top_k=_first(text, EXPERT_TOP_K),
@@ -143,6 +146,17 @@ def split_meta(dense, config, name, tp: int, *, head: bool) -> SplitModel:
         activations=tuple(layer_activations(dense, params, {m.name for m in mats}, attention, dims, text, tp)),
         dropout=_dropout(text, _RESIDUAL_DROPOUT), heads=dims.n_heads if dims else 0,
         kv_heads=dims.n_kv_heads if dims else 0, head_dim=dims.head_dim if dims else 0)
+
+
+def _width(config, dims, field: str) -> int:
+    """The hidden size or vocabulary of ``config``, read from the config itself where its head
+    counts cannot be (``model_dims`` None: RWKV and Mamba have no attention heads, yet a pipeline
+    stage still sends ``b s h`` activations and the head still splits the vocabulary)."""
+    if dims:
+        return getattr(dims, field)
+    arch = registry.arch(config.model_type)
+    names = (arch.config_names[field],) if arch and field in arch.config_names else configs.NAMES[field]
+    return configs.count(config, names) or 0
 
 
 def _first(config, names):
