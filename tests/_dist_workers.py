@@ -591,3 +591,9 @@ def nested_launch_worker():
 def environment_worker(name):
     """What a rank sees: the variable ``name`` and its parent process."""
     return os.environ.get(name), os.getppid()
+
+
+def sigterm_worker():
+    """Whether SIGTERM has its default action in this rank, and the rank's parent."""
+    import signal
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, os.getppid()

@@ -750,6 +750,22 @@ def test_launch_refusals_reach_the_command_line_as_one_line(tmp_path, no_rank_st
         assert res["rc"] == 2 and len(lines) == 1 and words in lines[0] and not res["stdout"], res
 
 
+def test_the_fork_server_outlives_a_sigterm_to_the_process_group():
+    """A SIGTERM to the launcher's whole group (systemd's stop, kill -TERM -PGID) is the launcher's
+    to handle: the fork server ignores it (its ranks die with it, exit status lost), and each rank
+    has SIGTERM's default action back (the launcher stops ranks with it)."""
+    import signal
+    from multiprocessing import forkserver
+
+    first = dist.launch(W.sigterm_worker, 2)
+    server = forkserver._forkserver._forkserver_pid
+    assert {ppid for _, ppid in first} == {server} and all(default for default, _ in first), first
+    os.kill(server, signal.SIGTERM)
+    time.sleep(0.5)
+    again = dist.launch(W.sigterm_worker, 2)
+    assert {ppid for _, ppid in again} == {server}, "the fork server died of SIGTERM"
+
+
 def test_ranks_start_from_the_fork_server_with_the_launchers_environment_now(monkeypatch):
     """Local ranks are forked from multiprocessing's fork server (torch imported there once), so
     their parent is the server, not this process; each gets the launcher's environment as it is at

@@ -106,9 +106,10 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
 
 # What the fork server imports once, so that each rank forked from it starts with them loaded
 # (a rank that imports torch and transformers itself takes seconds; a fork, milliseconds).
-# Modules missing here (transformers is an optional extra) are skipped by the server.
-PRELOAD = ("torch", "torch.distributed", "tensorpar.distributed", "tensorpar.nn", "transformers",
-           "transformers.modeling_utils")
+# Modules missing here (transformers is an optional extra) are skipped by the server. The first
+# makes the server ignore SIGTERM (see fork_server.py).
+PRELOAD = ("tensorpar.distributed.fork_server", "torch", "torch.distributed", "tensorpar.distributed",
+           "tensorpar.nn", "transformers", "transformers.modeling_utils")
 _SERVER_ENV: dict = {}  # {"key": the environment the fork server started with}
 # Variables no module reads at import, which change while a process runs: pytest names the
 # running test in PYTEST_CURRENT_TEST (a restart per test would cost each test the imports).
@@ -313,6 +314,7 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
                       LOCAL_WORLD_SIZE=str(world_size))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle: it stops every rank
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (fork_server.py); a rank does not
     os.setpgid(0, 0)  # a group of its own: the launcher stops the rank with whatever it starts
     if slot is not None:
         flight.install(slot)
