@@ -46,11 +46,12 @@ def test_nothing_on_stderr_when_it_is_a_pipe():
 
 
 def test_a_phase_that_fails_is_not_shown_done():
-    """The inventory path builds the model before anything else: an unknown model type fails in
-    that phase, which shows a cross, not a check mark, and the error line follows."""
+    """A config is planned by building its model on the meta device, in a phase: transformers' own
+    default Ministral config (head_dim None) fails there, which shows a cross, not a check mark,
+    and the error line follows. (An unknown model type is refused before any phase.)"""
     import json
     import tempfile
     with tempfile.TemporaryDirectory() as d:
-        (open(os.path.join(d, "config.json"), "w")).write(json.dumps({"model_type": "not_a_model"}))
+        (open(os.path.join(d, "config.json"), "w")).write(json.dumps({"model_type": "ministral"}))
         out, term = _on_a_terminal("plan", "--model", os.path.join(d, "config.json"), "--tp", "2")
     assert "✗" in term and "✓" not in term and "failed after" in term, term
