@@ -19,6 +19,9 @@ Two byte counts are kept apart:
 """
 from __future__ import annotations
 
+from tensorpar.architecture import ring
+from tensorpar.architecture.ring import bus_bandwidth_factor
+
 from .layout import ZERO_STAGES, check_choice, check_size
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
@@ -30,27 +33,15 @@ def _check(op: str, p: int) -> None:
     check_size("group size", p)
 
 
-def bus_bandwidth_factor(op: str, p: int) -> float:
-    """nccl-tests' busbw / algbw factor (NVIDIA/nccl-tests doc/PERFORMANCE.md): all-reduce
-    ``2(p-1)/p``; reduce-scatter, all-gather, all-to-all ``(p-1)/p``; broadcast, reduce 1."""
-    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-               "all_to_all": (p - 1) / p, "broadcast": 1.0, "reduce": 1.0}
-    if op not in factors:
-        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(factors)}")
-    return factors[op]
-
-
 def ring_bytes_sent(op: str, payload_bytes: float, p: int) -> float:
     """Bytes each device sends under the ring algorithm (the runtime ledger's ``bytes_sent``):
     all-reduce ``2(p-1)/p N``, all-gather / reduce-scatter ``(p-1)/p N``, broadcast and
-    point-to-point send ``N`` (0 when p = 1)."""
+    point-to-point send ``N`` (0 when p = 1). The ledger's own formula
+    (:func:`tensorpar.architecture.ring.ring_bytes_sent`), so predictions equal records bit for bit."""
     _check(op, p)
-    if p == 1 and op != "send":
-        return 0
-    # The same float expression as tensorpar.distributed.ledger, so predictions equal records bit for bit.
-    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}.get(op, 1.0)
-    sent = factor * payload_bytes
-    return int(sent) if float(sent).is_integer() else sent
+    if op == "send":
+        return int(payload_bytes) if float(payload_bytes).is_integer() else payload_bytes
+    return ring.ring_bytes_sent(op, payload_bytes, p)
 
 
 BROADCAST_ALGORITHMS = ("chain", "tree")
@@ -72,11 +63,7 @@ def broadcast_bytes_sent(payload_bytes: int, p: int, rank: int, src: int = 0, al
         raise ValueError(f"broadcast algorithm ({algorithm!r}) must be one of: {', '.join(BROADCAST_ALGORITHMS)}")
     if not 0 <= rank < p or not 0 <= src < p:
         raise ValueError(f"rank ({rank}) and src ({src}) must lie in [0, {p}) for a group of {p}")
-    v = (rank - src) % p
-    if algorithm == "chain":
-        return 0 if v == p - 1 else payload_bytes
-    children = sum(1 for k in range(v.bit_length(), p.bit_length()) if v + (1 << k) < p)
-    return children * payload_bytes
+    return ring.broadcast_sends(p, (rank - src) % p, algorithm) * payload_bytes
 
 
 def unavoidable_device_bytes(op: str, payload_bytes: float, p: int) -> float:
