@@ -5,8 +5,6 @@ strings, stop tokens and ``max_tokens``, some streamed, each equal to ``generate
 mid-stream frees its slot; an API key; SIGTERM drains the streams in flight and exits 0; a rank
 that dies ends the server with a named error and no process left; bad command lines."""
 import asyncio
-import contextlib
-import io
 import json
 import os
 import selectors
@@ -22,12 +20,12 @@ import openai
 import pytest
 import torch
 
-from tensorpar.cli import main
 from tensorpar.distributed.launcher import RankFailedError
 from tensorpar.jobs.serve import ServeOptions, serve
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model
 from tests import _serve_workers as W
+from tests._cli_batch import run_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -377,18 +375,8 @@ def error_runs(served):
         held.bind(("127.0.0.1", 0))
         held.listen()
         fill = {"m": str(served), "port": str(held.getsockname()[1])}
-        runs = [_cli([a.format(**fill) for a in args]) for args, _ in SERVE_ERRORS]
+        runs = run_all([[a.format(**fill) for a in args] for args, _ in SERVE_ERRORS])
     return fill, runs
-
-
-def _cli(argv) -> dict:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = main(argv)
-        except SystemExit as exc:  # argparse's own errors
-            rc = exc.code
-    return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 @pytest.mark.parametrize("case", range(len(SERVE_ERRORS)))
