@@ -20,8 +20,11 @@ venv: $(STAMP)
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VPY) -m tensorpar run
 
+# Two pytest-xdist workers, a file each at a time (a file's module fixtures and live ranks stay in
+# one process): on 2 cores the suite waits on ranks, timeouts and subprocesses for much of its time.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) -m pytest; rc=$$?; \
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "no tests ran"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)

@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -428,11 +427,8 @@ def test_train_resume_refuses_each_crafted_checkpoint_in_one_line(good, tmp_path
     dirs = crafted_checkpoints(tmp_path, good)
     dirs["llama"] = str(make_tiny_checkpoint(tmp_path / "llama", "llama"))
     argvs = [[a.format(**dirs) for a in argv] for argv, _ in CHECKPOINT_CLI_ERRORS]
-    r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(argvs)], capture_output=True, text=True,
-                       timeout=300, cwd=Path(__file__).resolve().parents[1],
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr
-    for (argv, words), res in zip(CHECKPOINT_CLI_ERRORS, json.loads(r.stdout)):
+    from tests._cli_batch import run_all  # tensorpar.cli.main as the entry point calls it, in this process
+    for (argv, words), res in zip(CHECKPOINT_CLI_ERRORS, run_all(argvs)):
         lines = res["stderr"].strip().splitlines()
         assert res["rc"] == 2 and not res["stdout"] and len(lines) == 1 and words in lines[0], (argv[-1], res)
     assert not any(tmp_path.rglob(MARKER))

@@ -1,4 +1,7 @@
-"""`tensorpar run` and `tensorpar verify` end to end, through a subprocess, as a user runs them."""
+"""`tensorpar run` and `tensorpar verify` end to end, as a user runs them: each command line through
+``tensorpar.cli.main`` exactly as the ``tensorpar`` entry point calls it, in this process (its ranks
+start from the suite's live fork server instead of a fresh interpreter importing torch again, ~10 s
+a command), and the entry point itself in a subprocess for the errors it must report the same way."""
 import json
 import os
 import subprocess
@@ -11,7 +14,18 @@ pytestmark = pytest.mark.multirank
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def tensorpar(*args, timeout=300):
+def tensorpar(*args):
+    """One command line through ``tensorpar.cli.main``, in this process: its exit code and what it
+    printed, as ``subprocess.run`` gives them."""
+    from types import SimpleNamespace
+
+    from tests._cli_batch import run_all
+    (r,) = run_all([list(args)])
+    return SimpleNamespace(returncode=r["rc"], stdout=r["stdout"], stderr=r["stderr"])
+
+
+def executable(*args, timeout=300):
+    """The installed entry point, as a user's shell runs it."""
     return subprocess.run([sys.executable, "-m", "tensorpar", *args], capture_output=True, text=True,
                           env=ENV, timeout=timeout)
 
@@ -383,12 +397,10 @@ def error_runs(checkpoints, tmp_path_factory):
     cases = [args for args, _ in VERIFY_ERRORS + RUN_ERRORS + NESTED_ERRORS] + [
         ["verify", "--model", "/nonexistent/dir", "--json"]]
     filled = [[a.format(**dirs) for a in args] for args in cases]
-    r = subprocess.run([sys.executable, "-m", "tests._cli_batch", json.dumps(filled)], capture_output=True,
-                       text=True, env=ENV, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.returncode == 0, r.stderr
-    runs = dict(zip(map(tuple, cases), json.loads(r.stdout)))
+    from tests._cli_batch import run_all
+    runs = dict(zip(map(tuple, cases), run_all(filled)))
     for args in (VERIFY_ERRORS[-1][0], RUN_ERRORS[-1][0]):  # and through the installed entry point
-        real = tensorpar(*[a.format(**dirs) for a in args])
+        real = executable(*[a.format(**dirs) for a in args])
         runs[("real", *args)] = {"rc": real.returncode, "stdout": real.stdout, "stderr": real.stderr}
     return runs
 
