@@ -151,9 +151,33 @@ def dropout_resume_worker(root):
     return {"whole": whole, "resumed": first + run(other, opt, steps[3:])}
 
 
-def two_rank_worker(dropout_root, tp2_root):
-    """The launch of 2 ranks: :func:`dropout_resume_worker`, and the tiny Llama's 10 steps saved
-    at tp 2 (dp 1) for a launch of 4 ranks to resume (:func:`resume_worker`'s ``more``)."""
+def late_look_worker(root) -> list:
+    """The same step saved twice, rank 1 looking at the folder as it would once rank 0 has
+    published the save (on a loaded machine it can: ``os.path.lexists`` then sees the step's
+    folder, here answered so for it): both saves must still return, on every rank, the folder rank
+    0 published. Returns this rank's returned folders, and whether each was a whole checkpoint
+when its save returned."""
+    import re
+    model = parallelize(make_tiny_model("llama", seed=3))
+    real = os.path.lexists
+    if dist.get_rank() == 1:
+        os.path.lexists = lambda p: bool(re.fullmatch(r"step-\d{8}", os.path.basename(str(p)))) or real(p)
+    folders, exist = [], []
+    try:
+        for _ in range(2):  # the second save replaces the first (latest moves, the older folder goes)
+            folders.append(os.path.relpath(saving.save(model, None, root, step=7), root))
+            exist.append(os.path.isfile(os.path.join(root, folders[-1], "COMPLETE")))
+            dist.barrier()
+    finally:
+        os.path.lexists = real
+    return folders, exist
+
+
+def two_rank_worker(dropout_root, tp2_root, late_root):
+    """The launch of 2 ranks: :func:`dropout_resume_worker`, the tiny Llama's 10 steps saved at
+    tp 2 (dp 1) for a launch of 4 ranks to resume (:func:`resume_worker`'s ``more``), and
+    :func:`late_look_worker`."""
     out = dropout_resume_worker(dropout_root)
     save_worker(tp2_root, (1, 2, None))
+    out["late_look"] = late_look_worker(late_root)
     return out

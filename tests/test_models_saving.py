@@ -29,7 +29,8 @@ def two_ranks(tmp_path_factory):
     """One launch of 2 ranks: the dropout run (its test below) and the tiny Llama saved at tp 2,
     which the 4-rank resume launch of the DDP save also loads (no launch of its own)."""
     root = tmp_path_factory.mktemp("two-ranks")
-    results = dist.launch(W.two_rank_worker, 2, str(root / "dropout"), str(root / "tp2"), deadline=300)
+    results = dist.launch(W.two_rank_worker, 2, str(root / "dropout"), str(root / "tp2"), str(root / "late"),
+                          deadline=300)
     return str(root / "tp2"), results
 
 
@@ -89,6 +90,15 @@ def test_a_checkpoint_saved_at_dp2xtp2_resumes_at_tp3_and_unsplit():
         ((layout, r),) = res.items()
         assert r["tp"] == layout[1] and r["step"] == W.SAVE_AT
         assert r["err"] <= TOL, (layout, r)
+
+
+def test_every_rank_returns_the_folder_rank_0_published_however_late_it_looks(two_ranks):
+    """The checkpoint's folder name is rank 0's pick, shared: a rank that looked for the step's
+    folder after rank 0 had published it once returned a name of its own (a folder that never
+    existed), and the bench's load of it failed."""
+    (folders, exist), (folders1, exist1) = [r["late_look"] for r in two_ranks[1]]
+    assert folders == folders1 and exist == exist1 == [True, True], (folders, exist, folders1, exist1)
+    assert folders[0] == "step-00000007" and folders[1].startswith("step-00000007."), folders
 
 
 def test_a_resume_with_dropout_repeats_the_uninterrupted_masks(two_ranks):

@@ -249,6 +249,11 @@ MUTANTS = [
     M("dropout: regions draw from the shared generator", "sharding/commit.py",
       "if has_dropout(module):  # masks on its heads (or columns) must differ from rank to rank,", "if False:",
       ("tests/test_models_sequence.py", "-k", "dropout")),
+    M("each rank names the checkpoint folder by its own look at the disk", "models/saving.py",
+      "return dist.broadcast_object(None)",
+      "nonce, name = dist.broadcast_object(None)[0], f'step-{step:08d}'; "
+      "return nonce, (f'{name}.{nonce}' if os.path.lexists(root / name) else name)",
+      ("tests/test_models_saving.py", "-k", "published")),
     M("dropout: the tensor-parallel generator not restored on load", "models/saving.py",
       'model.__dict__["_tp_rng_fork"].tracker.set_state(TP_RNG, state[_tp_rng_key()])', "pass",
       ("tests/test_models_saving.py", "-k", "dropout")),

@@ -163,14 +163,11 @@ def save(model, optimizer, path, *, step: int, extra: dict | None = None) -> Pat
     cf.pointer(root)  # a latest that names anything else is refused before a byte is written
     state = _state(model, optimizer, step)
     cf.check_room(root, _nbytes(state))
-    nonce = _nonce()
-    tmp = root / f".step-{step:08d}.{nonce}.partial"
+    nonce, name = _names(root, step)
+    tmp, final = root / f".step-{step:08d}.{nonce}.partial", root / name
     with cf.writing(root, tmp, _largest(state)):
         dcp.write(state, tmp)
     dist.barrier()  # every rank's blocks are on disk
-    final = root / f"step-{step:08d}"
-    if os.path.lexists(final):  # the same step saved again: a folder of its own, then latest moves to it
-        final = root / f"step-{step:08d}.{nonce}"
     if dist.get_rank() == 0:
         kind = {} if optimizer is None else {"optimizer": type(optimizer).__name__}
         with cf.writing(root, None):
@@ -204,8 +201,20 @@ def _largest(state: dict) -> int:
 
 
 def _nonce() -> str:
-    """A name part rank 0 draws and every rank shares (folders of one save)."""
+    """A name part rank 0 draws and every rank shares (folders of one export)."""
     return dist.broadcast_object(secrets.token_hex(4) if dist.get_rank() == 0 else None)
+
+
+def _names(root: Path, step: int) -> tuple[str, str]:
+    """The save's nonce and its checkpoint folder's name, which rank 0 picks before anything is
+    written and every rank shares: ``step-NNNNNNNN``, or ``step-NNNNNNNN.NONCE`` when the same
+    step is saved again (a folder of its own; ``latest`` then moves to it). Were each rank to look
+    for itself, one that looked after rank 0 had published the save would see its folder and
+    return another name (it did, on a loaded machine)."""
+    if dist.get_rank() != 0:
+        return dist.broadcast_object(None)
+    nonce, name = secrets.token_hex(4), f"step-{step:08d}"
+    return dist.broadcast_object((nonce, f"{name}.{nonce}" if os.path.lexists(root / name) else name))
 
 
 def _layout(model) -> dict:
