@@ -201,8 +201,11 @@ def autograd_modes_worker():
     return out
 
 
-def flaky_init_rank(rank, world_size, store, results):
-    """_init_group when rank 1's first attempt fails after the mesh formed (as gloo's flake does)."""
+def flaky_init_rank(rank, world_size, store, results, before_mesh=False, timeout_s=30):
+    """_init_group when rank 1's first attempt fails: after the mesh formed (as gloo's flake
+    usually does), or, with ``before_mesh``, before rank 1 wrote its address, so that rank 0 is
+    left waiting in the store for a key that never comes until its own attempt times out."""
+    import contextlib
     import datetime
     import warnings
 
@@ -213,8 +216,15 @@ def flaky_init_rank(rank, world_size, store, results):
     real, calls = tdist.init_process_group, []
 
     def flaky(*args, **kwargs):
-        real(*args, **kwargs)
         calls.append(kwargs["store"])
+        if rank == 1 and len(calls) == 1 and before_mesh:
+            # a real init that fails (as gloo's does: the group it numbered is never made), on
+            # keys rank 0 never sees, then gloo's message
+            with contextlib.suppress(RuntimeError):
+                real(*args, **{**kwargs, "store": tdist.PrefixStore("never-met/", kwargs["store"]),
+                               "timeout": datetime.timedelta(seconds=1)})
+            raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (simulated)")
+        real(*args, **kwargs)
         if rank == 1 and len(calls) == 1:
             tdist.destroy_process_group()
             raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (simulated)")
@@ -222,10 +232,15 @@ def flaky_init_rank(rank, world_size, store, results):
     tdist.init_process_group = flaky
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rendezvous._init_group("gloo", store, rank, world_size, datetime.timedelta(seconds=30))
+        try:
+            rendezvous._init_group("gloo", store, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            results.put((before_mesh, rank, len(calls), f"raised: {str(exc).splitlines()[0][:200]}",
+                         [str(w.message) for w in caught]))
+            return
     x = torch.ones(3) * (rank + 1)
     tdist.all_reduce(x)
-    results.put((rank, len(calls), x.tolist(), [str(w.message) for w in caught]))
+    results.put((before_mesh, rank, len(calls), x.tolist(), [str(w.message) for w in caught]))
     tdist.destroy_process_group()
 
 

@@ -138,8 +138,12 @@ def _init_group(backend, store_path, rank, world_size, timeout) -> None:
     peer" in ``connectFullMesh`` (about 1 launch in 20 on this 2-core machine, measured; also a
     known flake in PyTorch's own gloo tests). The ranks then agree through the store, which does
     not depend on that mesh: each posts whether its attempt succeeded, and unless all did,
-    every rank leaves the group and all try again under a fresh key prefix. A last barrier
-    keeps any rank from returning while a peer is still connecting.
+    every rank leaves the group and all try again under a fresh key prefix. A peer of the rank
+    that failed may instead be left waiting in the store for a key that rank never wrote, and
+    fail later with a plain "Wait timeout": it retries too when a peer has already posted that
+    its attempt failed (the same flake, seen from the other side). Any other failure, with no
+    peer asking to retry, is raised as it is (a peer that never came). A last barrier keeps any
+    rank from returning while a peer is still connecting.
     """
     bound_group_timeouts(timeout)
     base = tdist.FileStore(store_path, world_size)
@@ -150,15 +154,25 @@ def _init_group(backend, store_path, rank, world_size, timeout) -> None:
             tdist.init_process_group(backend, store=tdist.PrefixStore(f"attempt{attempt}/", base),
                                      rank=rank, world_size=world_size, timeout=timeout)
         except RuntimeError as exc:
-            if "connectFullMesh" not in str(exc) or attempt == _INIT_ATTEMPTS - 1:
+            flake = "connectFullMesh" in str(exc) or any(
+                base.check([f"status{attempt}/{r}"]) and base.get(f"status{attempt}/{r}") == b"retry"
+                for r in range(world_size) if r != rank)
+            if not flake or attempt == _INIT_ATTEMPTS - 1:
                 raise
             error = exc
+            _destroy_if_initialized()
+            # the failed init numbered a group that was never made ("0" prefixes its store keys);
+            # destroy_process_group resets that count, a failed init does not: reset it as destroy
+            # would, or this rank's next attempt waits under "1/" for peers writing under "0/"
+            import torch.distributed.distributed_c10d as c10d
+            c10d._world.group_count = 0
             warnings.warn(f"rank {rank}: gloo's connection setup failed ({str(exc).splitlines()[0][:200]}); "
                           f"every rank retries (attempt {attempt + 2} of {_INIT_ATTEMPTS})", RuntimeWarning)
         base.set(f"status{attempt}/{rank}", "ok" if error is None else "retry")
+        # a peer may still be in its own attempt, waiting out the timeout for this rank's key
+        base.wait([f"status{attempt}/{r}" for r in range(world_size)], 2 * timeout)
         if all(base.get(f"status{attempt}/{r}") == b"ok" for r in range(world_size)):
             tdist.barrier()
             return
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
+        _destroy_if_initialized()
     raise RuntimeError(f"the process group could not be formed in {_INIT_ATTEMPTS} attempts")
