@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from tensorpar import distributed as dist
+from tensorpar.architecture import registry
 from tensorpar.distributed.ledger import ring_bytes_sent as ledger_ring_bytes_sent
 from tensorpar.planner import collectives as C
 from tensorpar.planner import predict_collectives
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
-CAUSAL = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = registry.formula_types("llama", "gpt", "bert")  # every type the closed forms count
+CAUSAL = registry.formula_types("llama", "gpt")
 BATCH, SEQ, E = 2, 5, 8  # float64 models
 NEW_TOKENS = 3
 
@@ -88,6 +89,8 @@ def agreement_worker() -> dict:
 _WHERE = [
     (r"(embed_tokens|wte|word_embeddings)$", "embedding"),
     (r"\.self_attn\.(k_proj|v_proj)$", "layer.attention.kv_replicas"),
+    (r"\.attn\.c_attn\.(weight|bias)$", "layer.attention.kv_replicas"),  # GPT-BigCode's fused q/k/v: its KV rows
+    (r"\.self_attn\.(q_norm|k_norm)$", "layer.attention.qk_norm"),
     (r"\.(self_attn|attn|attention)(\.|$)", "layer.attention"),
     (r"\.(mlp|intermediate|output)(\.|$)", "layer.mlp"),
     (r"(lm_head|cls\.predictions\.decoder)$", "lm_head"),
@@ -254,9 +257,9 @@ def test_bad_input_names_the_value_and_the_choices(kwargs, message):
 
 
 def test_unsupported_configs_are_refused_not_guessed():
-    with pytest.raises(ValueError, match="model_type 't5' is not sharded"):
+    with pytest.raises(ValueError, match="model_type 't5' is not counted by the planner's closed forms"):
         predict_collectives({"model_type": "t5"}, 2, 1, 4, 4)
-    with pytest.raises(ValueError, match="mlp_bias=True is not modelled"):
+    with pytest.raises(ValueError, match="llama with mlp_bias=True in the config is not modelled"):
         predict_collectives(_config("llama") | {"mlp_bias": True}, 2, 1, 4, 4)
     with pytest.raises(ValueError, match=r"hf_config must be a dict \(config.to_dict\(\)\)"):
         predict_collectives("llama", 2, 1, 4, 4)

@@ -60,8 +60,8 @@ MUTANTS = [
       'extra = {"train": spec["identity"], "settings": spec["settings"]}', 'extra = {"train": spec["identity"]}',
       OTHER_RUN),
     # the planner's inputs
-    M("[train] plan: sizes of config.json not checked", "planner/hfconfig.py",
-      "if value is not None and not _positive(value):", "if False:", (PLAN, "-k", "refused_in_one_line")),
+    M("[train] plan: sizes of config.json not checked", "architecture/configs.py",
+      "if value is not None and not positive(value):", "if False:", (PLAN, "-k", "refused_in_one_line")),
     M("[train] plan: transformers' refusal of a config not named", "sharding/inventory.py",
       "except StrictDataclassError as exc:  # a validator of the configuration class: its own words",
       "except ImportError as exc:", (PLAN, "-k", "refused_in_one_line")),

@@ -79,6 +79,18 @@ def nested(cfg: Mapping, where: str = ""):
             yield from nested(value, f"{where}{key}.")
 
 
+def check_sizes(cfg: Mapping, source: str) -> None:
+    """Every size of :data:`CORE_SIZES` that ``cfg`` (a ``config.json`` as a dict) or a config
+    nested in it gives is a positive integer (per layer: a list of them); ``ValueError`` naming
+    ``source`` and the field otherwise (``num_hidden_layers: -3`` built a model of no layers,
+    planned as if it were one; a billion layers were built on the meta device until memory ran out)."""
+    for where, sub in nested(cfg):
+        for name in CORE_SIZES:
+            value = sub.get(name)
+            if value is not None and not positive(value):
+                raise ValueError(f"{source}: {where}{name}={value!r} must be a positive integer")
+
+
 def text_configs(cfg: Mapping) -> list:
     """``cfg`` and the language model's config nested in it, in that order: where a size of the
     text model (its heads, layers, positions) is looked up."""

@@ -41,6 +41,34 @@ KV_WIDTH_ATTRS = ("kv_dim",)  # KV heads x head dim
 
 
 @dataclass(frozen=True)
+class Formulas:
+    """How the planner's closed forms count a model type from its ``config.json`` alone, torch-free
+    (``tensorpar.planner.hfconfig`` reads the sizes, ``tensorpar.architecture.templates`` splits
+    them, ``tensorpar.planner.hf`` counts parameters and collectives): every other type is planned
+    from its split meta-device model (``tensorpar.sharding.inventory``).
+
+    - ``family``: ``"llama"`` (RMSNorm, gated MLP, rotary), ``"gpt"`` (LayerNorm, GELU MLP, learned
+      positions, biases everywhere) or ``"bert"`` (a gpt layer with BERT's replicated extras: an
+      encoder, counted by ``tensorpar.planner.hf`` only);
+    - ``model_class``: the transformers class the forms describe (``*ForCausalLM``);
+    - ``refuse``: config options that add parameters or collectives the forms do not count
+      (refused, never guessed); options the type's code ignores are not listed;
+    - ``qkv_bias`` (Qwen2), ``qk_norm`` (Qwen3's per-head q/k RMSNorms), ``multi_query`` (one KV
+      head unless the config's ``multi_query`` is false: GPT-BigCode);
+    - ``window``: ``"every"`` (every layer windowed by ``sliding_window``: Mistral), ``"optional"``
+      (only with ``use_sliding_window``, in the layers ``layer_types`` or ``max_window_layers``
+      say: Qwen2, Qwen3), or None.
+    """
+    family: str
+    model_class: str
+    refuse: tuple = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    multi_query: bool = False
+    window: str | None = None
+
+
+@dataclass(frozen=True)
 class Arch:
     """What tensorpar knows about one architecture (a transformers ``model_type``).
 
@@ -70,6 +98,7 @@ class Arch:
       config's own rule); with ``tiny_only``, every size of its tiny model, the generic ones unused.
     - ``lean``: the prefix of its transformers classes (``"Llama"``) where the lean decode path
       (``tensorpar.models.lean``) takes it, else None.
+    - ``formulas``: :class:`Formulas` where the planner's closed forms count it, else None.
     """
     name: str
     plan: dict | None = None
@@ -87,6 +116,7 @@ class Arch:
     tiny: dict = field(default_factory=dict)
     tiny_only: bool = False
     lean: str | None = None
+    formulas: Formulas | None = None
 
 
 
@@ -197,18 +227,26 @@ _MLA_TINY = dict(num_key_value_heads=4, head_dim=OMIT)
 
 ARCHS: dict[str, Arch] = {a.name: a for a in (
     # The first phase's families keep the sizes their tests count parameters from.
-    Arch("llama", units=_DECODER_UNITS, lean="Llama", tiny_only=True, tiny=dict(
+    Arch("llama", units=_DECODER_UNITS, lean="Llama", tiny_only=True,
+         formulas=Formulas("llama", "LlamaForCausalLM", refuse=("attention_bias", "mlp_bias")), tiny=dict(
         vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
-    Arch("mistral", units=_DECODER_UNITS, lean="Mistral", tiny_only=True, tiny=dict(
+    Arch("mistral", units=_DECODER_UNITS, lean="Mistral", tiny_only=True,
+         formulas=Formulas("llama", "MistralForCausalLM", window="every"), tiny=dict(
         vocab_size=130, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=64, sliding_window=None, tie_word_embeddings=False)),
-    Arch("qwen2", units=_DECODER_UNITS, lean="Qwen2", tiny_only=True, tiny=dict(
+    Arch("qwen2", units=_DECODER_UNITS, lean="Qwen2", tiny_only=True,
+         formulas=Formulas("llama", "Qwen2ForCausalLM", qkv_bias=True, window="optional"), tiny=dict(
         vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=12,
         num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=True)),
-    Arch("gpt2", _GPT2, head_attrs=("split_size",), units=_GPT2_UNITS, tiny_only=True, tiny=dict(
+    # Qwen3 runs from its declared plan; the entry says how the closed forms count it.
+    Arch("qwen3", formulas=Formulas("llama", "Qwen3ForCausalLM", refuse=("attention_bias",), qk_norm=True,
+                                    window="optional")),
+    Arch("gpt2", _GPT2, head_attrs=("split_size",), units=_GPT2_UNITS, tiny_only=True,
+         formulas=Formulas("gpt", "GPT2LMHeadModel", refuse=("add_cross_attention",)), tiny=dict(
         vocab_size=130, n_embd=48, n_layer=2, n_head=12, n_positions=64, bos_token_id=0, eos_token_id=1)),
-    Arch("bert", _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS, tiny_only=True, tiny=dict(
+    Arch("bert", _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS, tiny_only=True,
+         formulas=Formulas("bert", "BertForMaskedLM", refuse=("add_cross_attention",)), tiny=dict(
         vocab_size=130, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=12,
         max_position_embeddings=64, pad_token_id=0)),
     *(Arch(name, _BERT, head_attrs=("all_head_size",), units=_BERT_UNITS) for name in _BERT_LIKE),
@@ -239,7 +277,8 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
          segments={"blocks.*.attn.Wqkv": ("q", "q", "q")}, head_inputs={"position_bias": "heads"},
          head_attrs=("hidden_size",)),
     Arch("gpt_bigcode", lambda c: _bigcode(c)[0], segments=lambda c: _bigcode(c)[1],
-         head_attrs=("embed_dim", "kv_dim", "split_size")),
+         head_attrs=("embed_dim", "kv_dim", "split_size"),
+         formulas=Formulas("gpt", "GPTBigCodeForCausalLM", refuse=("add_cross_attention",), multi_query=True)),
     # Declarations that name the embedding only: the layers split as Llama's.
     Arch("hunyuan_v1_dense", overrides=_llama_layers()),
     Arch("lfm2", overrides=_llama_layers(o="out_proj", mlp="feed_forward", gate="w1", up="w3", down="w2")),
@@ -323,6 +362,11 @@ def arch(model_type: str | None) -> Arch | None:
 
 FAMILIES = tuple(ARCHS)  # the architectures with an entry here (more run from their declared plan)
 LEAN_TYPES = tuple(name for name, a in ARCHS.items() if a.lean)  # those the lean decode path takes
+
+
+def formula_types(*families: str) -> tuple:
+    """The model types the planner's closed forms count, of the given :class:`Formulas` families."""
+    return tuple(name for name, a in ARCHS.items() if a.formulas and a.formulas.family in families)
 
 
 def linear_equivalents() -> frozenset:

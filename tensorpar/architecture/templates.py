@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import tp_rules
+from . import registry, tp_rules
 from .split_model import (AttentionLayer, CollectiveSite, LayerActivations, Matmul, ParamShards, RankShard,
                           SplitModel)
 
 SITES_NOTE = "collective sites assume every module runs once per forward, on every token of the batch"
-FAMILIES = ("gpt", "llama")
+FAMILIES = ("gpt", "llama")  # the decoder families of registry.Formulas (BERT, an encoder, is not split here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +65,6 @@ class Shape:
         return tp_rules.Dims(self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab, self.hidden)
 
 
-_CLASSES = {"gpt2": "GPT2LMHeadModel", "gpt_bigcode": "GPTBigCodeForCausalLM", "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
 
 def feasibility(shape: Shape, tp: int) -> tp_rules.FeasibilityReport:
     """The runtime's rule for these sizes at ``tp`` (heads, KV heads, MLP width, vocabulary), as
@@ -93,7 +90,7 @@ def split(shape: Shape, tp: int) -> SplitModel:
     params, sites, plan = build(shape, tp)
     kind = shape.model_type
     return SplitModel(
-        name=shape.name, model_type=kind, model_class=_CLASSES[kind], tp=tp,
+        name=shape.name, model_type=kind, model_class=registry.ARCHS[kind].formulas.model_class, tp=tp,
         plan_source="declared" if shape.family == "llama" else "tensorpar", head=True, causal=True,
         layers=shape.layers, hidden=shape.hidden, vocab=shape.vocab, params=tuple(params), sites=tuple(sites),
         matmuls=tuple(_matmuls(params)), attention=tuple(_attention(shape, tp)),

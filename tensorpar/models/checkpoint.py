@@ -216,12 +216,8 @@ def _check_sizes(config: dict, meta: dict, path: Path) -> None:
     meta device, until memory runs out)."""
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'} is not a JSON object (got {type(config).__name__})")
+    configs.check_sizes(config, str(path / "config.json"))
     subs = [cfg for _, cfg in configs.nested(config)]
-    for cfg in subs:
-        for name in configs.CORE_SIZES:
-            v = cfg.get(name)
-            if v is not None and not configs.positive(v):
-                raise ValueError(f"{path / 'config.json'}: {name}={v!r} must be a positive integer")
     held = {int(m.group(1)) for key in meta for m in [_LAYER_KEY.search(f".{key}")] if m}
     if not held:
         return

@@ -75,9 +75,16 @@ def tp_layer_collectives(model: ModelSpec, layout: Layout, *, phase: str | None 
     for where, enter, leave in (("layer.attention", "q/k/v", "o_proj"), ("layer.mlp", "up/gate", "down")):
         items += _block_items(where, enter, leave, n, p, layout, phase)
     if phase == "training" and p > model.kv_heads:
-        rows = model.kv_heads * model.head_dim * (model.hidden + (1 if model.qkv_bias else 0)) * e
-        items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, rows, count=2,
-                          note="k and v weight gradients of replicated kv heads, (g, d, h[+1]) slots"))
+        kv = model.kv_heads * model.head_dim  # rows of K, and of V
+        if model.family == "gpt":  # one fused q/k/v projection (GPT-BigCode): its weight's KV rows, then its bias's
+            items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, 2 * kv * model.hidden * e,
+                              note="the fused projection's k and v weight rows of replicated kv heads, (2 g d, h)"))
+            items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, 2 * kv * e,
+                              note="the fused projection's k and v bias rows of replicated kv heads, 2 g d"))
+        else:
+            rows = kv * (model.hidden + (1 if model.qkv_bias else 0)) * e
+            items.append(item("all_reduce", "layer.attention.kv_replicas", "backward", "tp", p, rows, count=2,
+                              note="k and v weight gradients of replicated kv heads, (g, d, h[+1]) slots"))
     if phase == "training" and model.qk_norm:
         items.append(item("all_reduce", "layer.attention.qk_norm", "backward", "tp", p, model.head_dim * e, count=2,
                           note="q_norm and k_norm weight gradients: each rank's heads give a partial sum"))

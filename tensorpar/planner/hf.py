@@ -1,12 +1,15 @@
 """Hugging Face models as tensorpar's runtime shards them: shapes and parameters per rank.
 
-The runtime (``tensorpar.parallelize``) supports the families llama, mistral, qwen2, gpt2 and
-bert. Their layers are the planner's two families (:mod:`.models`): llama, mistral and qwen2 are
-``llama`` (qwen2 with q/k/v biases); gpt2 and bert are ``gpt`` (biases everywhere, LayerNorm,
-a GELU MLP, a learned position table, the output head tied to the input embedding). BERT adds
-what a GPT-2 does not have, all replicated on every rank: a token-type table, and either a
-pooler (``BertModel``, the bare model) or the masked-LM head's transform (``BertForMaskedLM``),
-whose output bias is split with the vocabulary like the decoder it belongs to.
+The model types counted here are those whose registry entry has
+:class:`~tensorpar.architecture.registry.Formulas` (``registry.formula_types``): the ``llama``
+and ``gpt`` families read by :mod:`.hfconfig` (Llama, Mistral, Qwen2, Qwen3; GPT-2, GPT-BigCode),
+and BERT. Their layers are the planner's two families (:mod:`.models`). BERT counts as a ``gpt``
+layer (biases everywhere, LayerNorm, a GELU MLP, a learned position table, the output head tied
+to the input embedding) and adds what a GPT-2 does not have, all replicated on every rank: a
+token-type table, and either a pooler (``BertModel``, the bare model) or the masked-LM head's
+transform (``BertForMaskedLM``), whose output bias is split with the vocabulary like the decoder
+it belongs to. Every other architecture ``parallelize`` splits is counted from its split
+meta-device model instead (``tensorpar.sharding.inventory``).
 
 Per rank, with ``t`` the tp size and ``ceil(V / t)`` rows of every vocabulary-split tensor
 (docs/architecture.md padding rule), :func:`params_per_rank` is
@@ -22,16 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorpar.architecture import registry
+
 from .hfconfig import from_hf_dict
 from .layout import check_size
 from .models import ModelSpec
 from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown, valid_tp_sizes
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
-CAUSAL_FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
-# Options that add parameters or collectives the planner does not model: refused, not guessed.
-_UNMODELLED = {"attention_bias": ("llama", "mistral"), "mlp_bias": ("llama", "mistral"),
-               "add_cross_attention": ("gpt2", "bert")}
+FAMILIES = registry.formula_types("llama", "gpt", "bert")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class HFModel:
 
     @property
     def is_causal(self) -> bool:
-        return self.kind in CAUSAL_FAMILIES
+        return registry.ARCHS[self.kind].formulas.family != "bert"
 
 
 def hf_model(hf_config: dict, *, seq: int | None = None) -> HFModel:
@@ -55,14 +56,15 @@ def hf_model(hf_config: dict, *, seq: int | None = None) -> HFModel:
         raise ValueError(f"hf_config must be a dict (config.to_dict()); got {type(hf_config).__name__}")
     kind = hf_config.get("model_type")
     if kind not in FAMILIES:
-        raise ValueError(f"model_type {kind!r} is not sharded by tensorpar's runtime; valid: {', '.join(FAMILIES)}")
-    for option, kinds in _UNMODELLED.items():
-        if kind in kinds and hf_config.get(option):
-            raise ValueError(f"{kind} with {option}={hf_config[option]!r} is not modelled by the planner; "
-                             f"valid: {option}=False")
+        raise ValueError(f"model_type {kind!r} is not counted by the planner's closed forms; valid: "
+                         f"{', '.join(FAMILIES)} (tensorpar plan counts the others from their split model)")
     if kind == "bert":
+        for option in registry.ARCHS[kind].formulas.refuse:
+            if hf_config.get(option):
+                raise ValueError(f"{kind} with {option}={hf_config[option]!r} is not modelled by the planner; "
+                                 f"valid: {option}=False")
         return _bert(hf_config, seq)
-    return HFModel(kind, from_hf_dict(hf_config, seq=seq))
+    return HFModel(kind, from_hf_dict(hf_config, seq=seq))  # NotModelled (a ValueError) for an option
 
 
 def _bert(cfg: dict, seq: int | None) -> HFModel:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .layout import check_size
+from tensorpar.architecture.templates import FAMILIES
 
-FAMILIES = ("gpt", "llama")
+from .layout import check_size
 
 
 @dataclass(frozen=True, kw_only=True)
