@@ -89,9 +89,10 @@ def split(shape: Shape, tp: int) -> SplitModel:
     build = _llama if shape.family == "llama" else _gpt
     params, sites, plan = build(shape, tp)
     kind = shape.model_type
+    entry = registry.ARCHS[kind]
     return SplitModel(
-        name=shape.name, model_type=kind, model_class=registry.ARCHS[kind].formulas.model_class, tp=tp,
-        plan_source="declared" if shape.family == "llama" else "tensorpar", head=True, causal=True,
+        name=shape.name, model_type=kind, model_class=entry.formulas.model_class, tp=tp,
+        plan_source="tensorpar" if entry.plan else "declared", head=True, causal=True,
         layers=shape.layers, hidden=shape.hidden, vocab=shape.vocab, params=tuple(params), sites=tuple(sites),
         matmuls=tuple(_matmuls(params)), attention=tuple(_attention(shape, tp)),
         valid_tp_sizes=tuple(feas.valid_tp_sizes), fixes=tuple(feas.fixes), notes=(SITES_NOTE,), plan=plan,
