@@ -207,9 +207,11 @@ def flaky_init_rank(rank, world_size, store, results, before_mesh=False, timeout
     left waiting in the store for a key that never comes until its own attempt times out."""
     import contextlib
     import datetime
+    import time
     import warnings
 
     import torch.distributed as tdist
+    import torch.distributed.distributed_c10d as c10d
 
     from tensorpar.distributed import rendezvous
 
@@ -224,9 +226,14 @@ def flaky_init_rank(rank, world_size, store, results, before_mesh=False, timeout
                 real(*args, **{**kwargs, "store": tdist.PrefixStore("never-met/", kwargs["store"]),
                                "timeout": datetime.timedelta(seconds=1)})
             raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (simulated)")
+        if rank == 0 and len(calls) == 1 and before_mesh:
+            time.sleep(6)  # rank 0 comes later (still importing): its attempt ends after rank 1's store wait would
         real(*args, **kwargs)
         if rank == 1 and len(calls) == 1:
+            # the mesh failed inside init on this rank only: torch had numbered the group ("0") and a
+            # failed init leaves that count, where its peer's destroy_process_group resets its own
             tdist.destroy_process_group()
+            c10d._world.group_count = 1
             raise RuntimeError("Gloo connectFullMesh failed with [pair.cc] Connection closed by peer (simulated)")
 
     tdist.init_process_group = flaky
