@@ -12,8 +12,13 @@ first). For each load, each server:
 - ``hf_cb``: transformers' continuous batching (``init_continuous_batching``: its scheduler and
   paged cache) on the unsplit model in this process, 2 threads (the machine's cores), the requests
   added at their times, each token timed as its output arrives (no HTTP: that favours it);
-- ``generate``: tensorpar's ``generate`` at tp 2, the requests one after the other (batch 1):
-  the baseline of "32 streams at least 4x sequential generate".
+- ``generate``: tensorpar's ``generate`` at tp 2, the lightest load's requests one after the other
+  (batch 1): the baseline of "32 streams at least 4x sequential generate".
+
+Rounds: both servers start once; each round runs every server on every load (``generate`` on
+its sequence of requests), the servers' order rotating from round to round, so each meets the
+same drift of a shared machine. Every figure is the median over rounds; every ratio is the median
+over rounds of the two throughputs measured in the same round.
 
 Figures: tokens/s (generated tokens over the time from the first arrival to the last token),
 time to first token (arrival to first token) and per-token latency (gaps between a request's
@@ -23,7 +28,10 @@ tokens), p50 and p99. Greedy everywhere, the model's end-of-sequence token ignor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import platform
 import random
 import signal
 import statistics
@@ -37,10 +45,12 @@ from pathlib import Path
 
 import httpx2
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tensorpar import distributed as dist
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
+from tensorpar.bench.timing import round_order
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_checkpoint
@@ -149,33 +159,79 @@ def generate_rank(path: str, reqs: list) -> list:
 
 # ---- the run ------------------------------------------------------------------------------------
 
-def run_serve_bench(*, sizes=BENCH_LLAMA, levels=LEVELS, requests_per_stream: int = 2, prompts=PROMPTS,
-                    outputs=OUTPUTS, seed: int = 0) -> list[dict]:
-    """One row per (load, server); the first row of each load says its arrival rate."""
+SERVERS = ("generate", "tensorpar", "hf_cb")
+FIGURES = ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
+
+
+def run_serve_bench(*, rounds: int = 11, sizes=BENCH_LLAMA, levels=LEVELS, requests_per_stream: int = 2,
+                    prompts=PROMPTS, outputs=OUTPUTS, seed: int = 0) -> list[dict]:
+    """One row per (server, load): the medians over ``rounds`` interleaved rounds, each round
+    running every server on every load (the order of the servers rotates each round); the
+    ratios are the medians over rounds of the two servers' throughputs in the same round."""
+    if rounds < 1:
+        raise ValueError(f"rounds {rounds}: need at least 1")
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-serve-") as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "llama", "llama", seed=seed, **sizes)
         vocab = sizes["vocab_size"]
         alone = workload(8, 1.0, seed + 1, vocab, prompts, outputs)
-        seq = dist.launch(generate_rank, 2, str(path), alone)[0]
-        one_s = statistics.mean(t1 - t0 for t0, t1, _ in seq)
-        rows = [{"server": "generate", "streams": 1, "requests": len(seq), "tokens": sum(n for *_, n in seq),
-                 "tokens_per_s": sum(n for *_, n in seq) / sum(t1 - t0 for t0, t1, _ in seq),
-                 "ttft_p50_s": float("nan"), "tpot_p50_s": statistics.median((t1 - t0) / n for t0, t1, n in seq)}]
+        # the arrival rates: a request alone through generate, measured once (the same loads every round)
+        one_s = statistics.mean(t1 - t0 for t0, t1, _ in dist.launch(generate_rank, 2, str(path), alone)[0])
         loads = {c: workload(max(8, requests_per_stream * c), c / one_s, seed + 2 + c, vocab, prompts, outputs)
                  for c in levels}
-        rows += _tensorpar_rows(path, loads, max(levels))
-        rows += _hf_rows(path, loads, max(levels), max(prompts) + max(outputs))
-    base = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["vs_sequential_generate"] = r["tokens_per_s"] / base
-        r["mean_request_alone_s"] = one_s
+        samples = {(name, c): [] for name in SERVERS for c in ((1,) if name == "generate" else levels)}
+        warm = loads[min(levels)][:2]
+        with _tensorpar_server(path, max(levels), warm) as url, \
+                _hf_manager(path, max(levels), max(prompts) + max(outputs), warm) as manager:
+            one = loads[min(levels)]  # generate runs the lightest load's requests, one after the other
+            run = {"generate": lambda: {1: generate_figures(dist.launch(generate_rank, 2, str(path), one)[0])},
+                   "tensorpar": lambda: {c: figures(*asyncio.run(_drive_http(url, reqs))) for c, reqs in loads.items()},
+                   "hf_cb": lambda: {c: figures(*drive_hf(manager, reqs)) for c, reqs in loads.items()}}
+            for i in range(rounds):
+                for name in round_order(list(SERVERS), i):
+                    for c, got in run[name]().items():
+                        samples[(name, c)].append(got)
+    return summarize(samples, one_s)
+
+
+def generate_figures(seq: list) -> dict:
+    """``generate_rank``'s (start, end, tokens) per request, as a row's figures: the requests one
+    after the other, so the throughput is the tokens over the time spent generating them."""
+    return {"requests": len(seq), "tokens": sum(n for *_, n in seq),
+            "tokens_per_s": sum(n for *_, n in seq) / sum(t1 - t0 for t0, t1, _ in seq),
+            "ttft_p50_s": float("nan"), "ttft_p99_s": float("nan"),
+            "tpot_p50_s": statistics.median((t1 - t0) / n for t0, t1, n in seq), "tpot_p99_s": float("nan")}
+
+
+def summarize(samples: dict, one_s: float) -> list[dict]:
+    """``samples[(server, streams)]``: that row's figures, one per round, rounds in order. Each
+    figure is the median over rounds; ``vs_sequential_generate`` and ``vs_hf_cb`` are the
+    medians over rounds of the throughput ratio within a round."""
+    def paired(figs, other):
+        return statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(figs, other))
+    base = samples[("generate", 1)]
+    rows = []
+    for (name, c), figs in samples.items():
+        row = {"server": name, "streams": c, "rounds": len(figs), "requests": figs[0]["requests"],
+               "tokens": statistics.median(f["tokens"] for f in figs),
+               **{k: _median(f[k] for f in figs) for k in FIGURES},
+               "vs_sequential_generate": paired(figs, base), "mean_request_alone_s": one_s, "samples": figs}
+        if name == "tensorpar" and ("hf_cb", c) in samples:
+            row["vs_hf_cb"] = paired(figs, samples[("hf_cb", c)])
+        rows.append(row)
     return rows
 
 
-def _tensorpar_rows(path, loads: dict, slots: int) -> list:
+def _median(xs) -> float:
+    xs = [x for x in xs if x == x]  # nan: no such figure (generate has no time to first token)
+    return statistics.median(xs) if xs else float("nan")
+
+
+@contextlib.contextmanager
+def _tensorpar_server(path, slots: int, warm: list):
     """``tensorpar serve`` as a user starts it (a process of its own; the bench sits beside the
-    CLI, not above the jobs), stopped with SIGTERM."""
+    CLI, not above the jobs), warmed up, stopped with SIGTERM. Idle, its ranks sleep in the
+    kernel (no spinning), so the other servers' rounds run beside it undisturbed."""
     cmd = [sys.executable, "-m", "tensorpar", "serve", "--model", str(path), "--tp", "2", "--port", "0", "--json",
            "--max-batch", str(slots), "--max-tokens-in-flight", str(max(256, slots)), "--max-queue", "4096"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -184,35 +240,66 @@ def _tensorpar_rows(path, loads: dict, slots: int) -> list:
         if not line:
             raise RuntimeError(f"tensorpar serve did not start (exit {proc.wait()})")
         url = json.loads(line)["url"]
-        asyncio.run(_drive_http(url, loads[min(loads)][:2]))  # warm-up
-        return [{"server": "tensorpar", "streams": c, **figures(*asyncio.run(_drive_http(url, reqs)))}
-                for c, reqs in loads.items()]
+        asyncio.run(_drive_http(url, warm))
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
 
 
-def _hf_rows(path, loads: dict, slots: int, longest: int) -> list:
+@contextlib.contextmanager
+def _hf_manager(path, slots: int, longest: int, warm: list):
+    """transformers' continuous batching on the unsplit model, started once, warmed up."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = GenerationConfig(max_new_tokens=longest, do_sample=False, eos_token_id=model.config.eos_token_id)
     with torch.inference_mode():
         manager = model.init_continuous_batching(generation_config=config)
         manager.start()
         try:
-            drive_hf(manager, loads[min(loads)][:2])  # warm-up
-            return [{"server": "hf_cb", "streams": c, **figures(*drive_hf(manager, reqs))} for c, reqs in loads.items()]
+            drive_hf(manager, warm)
+            yield manager
         finally:
             manager.stop(block=True, timeout=60)
 
 
+# ---- the page -----------------------------------------------------------------------------------
+
+TARGETS = (("32 streams: at least 4x sequential generate", lambda rows: [
+               r["vs_sequential_generate"] >= 4 for r in rows if r["server"] == "tensorpar" and r["streams"] == 32]),
+           ("ahead of HF's continuous batching at every load", lambda rows: [
+               r["vs_hf_cb"] > 1 for r in rows if "vs_hf_cb" in r]))
+
+
 def serve_table(rows: list[dict]) -> str:
-    """Markdown: one line per (server, load)."""
-    head = ("| server | streams | requests | tokens | tokens/s | x sequential generate | TTFT p50 / p99 (ms) "
-            "| per token p50 / p99 (ms) |\n|---|---|---|---|---|---|---|---|\n")
+    """Markdown: one line per (server, load); medians over the rounds, ratios paired by round."""
+    head = ("| server | streams | requests | tokens | tokens/s | x sequential generate | x HF continuous batching "
+            "| TTFT p50 / p99 (ms) | per token p50 / p99 (ms) |\n|---|---|---|---|---|---|---|---|---|\n")
 
     def ms(a, b=None):
         return " / ".join("-" if x is None or x != x else f"{1e3 * x:.1f}" for x in ((a,) if b is None else (a, b)))
     return head + "".join(
-        f"| {r['server']} | {r['streams']} | {r['requests']} | {r['tokens']} | {r['tokens_per_s']:.1f} | "
-        f"{r['vs_sequential_generate']:.2f} | {ms(r['ttft_p50_s'], r.get('ttft_p99_s'))} | "
-        f"{ms(r['tpot_p50_s'], r.get('tpot_p99_s'))} |\n" for r in rows)
+        f"| {r['server']} | {r['streams']} | {r['requests']} | {r['tokens']:g} | {r['tokens_per_s']:.1f} | "
+        f"{r['vs_sequential_generate']:.2f} | {'%.2f' % r['vs_hf_cb'] if 'vs_hf_cb' in r else '-'} | "
+        f"{ms(r['ttft_p50_s'], r.get('ttft_p99_s'))} | {ms(r['tpot_p50_s'], r.get('tpot_p99_s'))} |\n" for r in rows)
+
+
+def serve_page(rows: list[dict], command: str) -> str:
+    """The suite's page: how it was run (the command, when, on what), the table, the targets."""
+    rounds = rows[0]["rounds"]
+    verdicts = "".join(f"- {name}: {_verdict(check(rows))}\n" for name, check in TARGETS)
+    return (f"# Benchmark: `tensorpar serve` at tp 2 against Hugging Face's continuous batching\n\n"
+            f"Written by `{command}` at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on "
+            f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load average "
+            f"{os.getloadavg()[0]:.1f} at the end, torch {torch.__version__}, transformers {transformers.__version__}. "
+            f"{rounds} interleaved round{'s' * (rounds != 1)}: each round runs every server on every load, the "
+            f"servers' order rotating; each figure is the median over the rounds, each ratio the median of the "
+            f"throughput ratios within a round. A request alone takes {rows[0]['mean_request_alone_s']:.2f} s "
+            f"through `generate`; a load of N streams offers N such requests at once (Poisson arrivals). What the "
+            f"suite measures: [benchmarks.md](../benchmarks.md#serve-a-server-under-load).\n\n"
+            f"{serve_table(rows)}\nTargets (medians):\n\n{verdicts}")
+
+
+def _verdict(checks: list) -> str:
+    if not checks:
+        return "not measured in this run"
+    return "met" if all(checks) else f"missed at {checks.count(False)} of {len(checks)} loads"

@@ -17,12 +17,14 @@ def add_parser(sub) -> None:
                    help=f"comma-separated suites to run; valid: {', '.join(SUITES)} (default: all)")
     p.add_argument("--out", default="bench/out", help="folder for tables and plots (default: bench/out)")
     p.add_argument("--repeats", type=int, default=11, help="interleaved rounds per variant (default: 11; the two smallest "
-                   "MLP sizes run 5x as many, shorter ones)")
+                   "MLP sizes run 5x as many, shorter ones; a serve round runs every server on every load, about "
+                   "a minute)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run of the chosen suites: the MLP suite at its two smallest sizes, the models "
                    "suite's three architectures at ~0.6M parameters and 2x32 tokens, the decode suite's Llama at "
                    "~0.6M parameters, batches 1 and 2, 8 tokens, the train suite's Llama at ~0.6M parameters, "
-                   "4x32 tokens, 2 saves and loads")
+                   "4x32 tokens, 2 saves and loads, the serve suite's Llama at hidden 128 and 2 layers, loads of 1 and 8 streams, "
+                   "4-8 tokens a request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -95,12 +97,15 @@ def _run(args, suites, out, phase):
         files.append(out / "train.md")
     if "serve" in suites:
         from tensorpar.bench.serve import QUICK as SERVE_QUICK
-        from tensorpar.bench.serve import run_serve_bench, serve_table
+        from tensorpar.bench.serve import run_serve_bench, serve_page, serve_table
 
-        with phase("serve suite: tensorpar serve at tp 2 and HF continuous batching under open-loop load"):
-            rows = run_serve_bench(**(SERVE_QUICK if args.quick else {}))
+        with phase(f"serve suite: tensorpar serve at tp 2 and HF continuous batching under open-loop load, "
+                   f"{args.repeats} interleaved rounds"):
+            rows = run_serve_bench(rounds=args.repeats, **(SERVE_QUICK if args.quick else {}))
         results["serve"], tables["serve"] = rows, serve_table(rows)
-        (out / "serve.md").write_text(tables["serve"])
+        command = "tensorpar bench --suite serve" + (" --quick" if args.quick else "") + (
+            f" --repeats {args.repeats}" if args.repeats != 11 else "")
+        (out / "serve.md").write_text(serve_page(rows, command))
         files.append(out / "serve.md")
     files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
