@@ -261,6 +261,8 @@ def test_unsupported_configs_are_refused_not_guessed():
         predict_collectives({"model_type": "t5"}, 2, 1, 4, 4)
     with pytest.raises(ValueError, match="llama with mlp_bias=True in the config is not modelled"):
         predict_collectives(_config("llama") | {"mlp_bias": True}, 2, 1, 4, 4)
+    with pytest.raises(ValueError, match="bert with add_cross_attention=True in the config is not modelled"):
+        predict_collectives(_config("bert") | {"add_cross_attention": True}, 2, 1, 4, 4)
     with pytest.raises(ValueError, match=r"hf_config must be a dict \(config.to_dict\(\)\)"):
         predict_collectives("llama", 2, 1, 4, 4)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tensorpar.architecture import registry
 
-from .hfconfig import from_hf_dict
+from .hfconfig import from_hf_dict, refuse_unmodelled
 from .layout import check_size
 from .models import ModelSpec
 from .params import ceil_div, heads_per_device, kv_heads_per_device, param_breakdown, valid_tp_sizes
@@ -59,10 +59,7 @@ def hf_model(hf_config: dict, *, seq: int | None = None) -> HFModel:
         raise ValueError(f"model_type {kind!r} is not counted by the planner's closed forms; valid: "
                          f"{', '.join(FAMILIES)} (tensorpar plan counts the others from their split model)")
     if kind == "bert":
-        for option in registry.ARCHS[kind].formulas.refuse:
-            if hf_config.get(option):
-                raise ValueError(f"{kind} with {option}={hf_config[option]!r} is not modelled by the planner; "
-                                 f"valid: {option}=False")
+        refuse_unmodelled(hf_config, kind)
         return _bert(hf_config, seq)
     return HFModel(kind, from_hf_dict(hf_config, seq=seq))  # NotModelled (a ValueError) for an option
 

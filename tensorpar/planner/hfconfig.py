@@ -79,7 +79,7 @@ def from_hf_dict(cfg: dict, *, seq: int | None = None, name: str | None = None,
     if kind not in SUPPORTED:
         why = f" ({_REFUSED[kind]})" if kind in _REFUSED else ""
         raise NotModelled(f"unsupported model_type {kind!r} in {source}{why}; valid: {', '.join(SUPPORTED)}")
-    _refuse_unmodelled(cfg, kind, source)
+    refuse_unmodelled(cfg, kind, source)
     name = name or cfg.get("_name_or_path") or "hf"
     try:
         return _llama(cfg, kind, seq, name, source) if kind in LLAMA_TYPES else _gpt(cfg, kind, seq, name, source)
@@ -89,7 +89,8 @@ def from_hf_dict(cfg: dict, *, seq: int | None = None, name: str | None = None,
         raise ValueError(f"{source}: {exc}") from None
 
 
-def _refuse_unmodelled(cfg: dict, kind: str, source: str) -> None:
+def refuse_unmodelled(cfg: dict, kind: str, source: str = "the config") -> None:
+    """:class:`NotModelled` for an option of ``cfg`` that ``kind``'s registry ``Formulas.refuse`` lists."""
     for option in registry.ARCHS[kind].formulas.refuse:
         if cfg.get(option):
             raise NotModelled(f"{kind} with {option}={cfg[option]!r} in {source} is not modelled by the planner; "
