@@ -65,7 +65,6 @@ class Shape:
         return tp_rules.Dims(self.heads, self.kv_heads, self.head_dim, self.ffn, self.vocab, self.hidden)
 
 
-
 def feasibility(shape: Shape, tp: int) -> tp_rules.FeasibilityReport:
     """The runtime's rule for these sizes at ``tp`` (heads, KV heads, MLP width, vocabulary), as
     ``tp_rules.report`` gives it; the valid sizes searched up to the smallest size that must
