@@ -18,6 +18,7 @@ live apart in ``tensorpar.reference.costs`` (the oracle, which shares no code wi
 from __future__ import annotations
 
 RING_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+P2P_OPS = ("send", "recv")  # pipeline stages' point-to-point transfers
 BROADCAST_ALGORITHMS = ("chain", "tree", "shared")
 
 
@@ -27,9 +28,10 @@ def ring_bytes_sent(op: str, payload_bytes, group_size: int, *, rank: int = 0, s
     (an int where the product is whole). ``src`` and ``broadcast_algorithm`` matter for broadcast
     only."""
     p = group_size
-    if op not in RING_OPS:
-        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(RING_OPS)}")
-    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}
+    if op not in RING_OPS + P2P_OPS:
+        raise ValueError(f"unknown collective {op!r}; valid: {', '.join(RING_OPS + P2P_OPS)}")
+    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
+               "send": 1, "recv": 0}  # point-to-point: the sender sends the tensor once, the receiver nothing
     factor = factors[op] if op in factors else broadcast_sends(p, (rank - src) % p, broadcast_algorithm)
     sent = factor * payload_bytes
     return int(sent) if float(sent).is_integer() else sent

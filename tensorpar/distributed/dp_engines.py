@@ -19,14 +19,17 @@ from __future__ import annotations
 from torch import nn
 
 DATA_PARALLEL = ("ddp", "fsdp")
-_DIMS = (("dp", "tp"), ("tp",))  # data parallelism alone: ("dp", "tp") with tp 1
+_DIMS = (("dp", "tp"), ("tp",), ("pp", "dp", "tp"))  # data parallelism alone: ("dp", "tp") with tp 1
 
 
-def check_args(mesh, tp_group, data_parallel) -> None:
+def check_args(mesh, tp_group, data_parallel, pipeline=None) -> None:
     """The mesh and the data-parallel choice, before any collective: ``ValueError`` naming them."""
     if data_parallel is not None and data_parallel not in DATA_PARALLEL:
         raise ValueError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)} or None, got {data_parallel!r}")
     if mesh is None:
+        if pipeline is not None:
+            raise ValueError(f"pipeline={pipeline!r} needs mesh=, a DeviceMesh with dimensions ('pp', 'dp', 'tp') "
+                             f"(init_device_mesh('cpu', (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp')))")
         if data_parallel is not None:
             raise ValueError(f"data_parallel={data_parallel!r} needs mesh=, a DeviceMesh with a 'dp' dimension")
         return
@@ -37,14 +40,39 @@ def check_args(mesh, tp_group, data_parallel) -> None:
         raise ValueError("pass mesh= or tp_group=, not both (the mesh's 'tp' dimension is the tp group)")
     names = tuple(mesh.mesh_dim_names or ())
     if names not in _DIMS:
-        raise ValueError(f"mesh dimensions must be named ('dp', 'tp') or ('tp',); got {names or None} "
-                         f"(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); tp may be 1)")
+        raise ValueError(f"mesh dimensions must be named ('pp', 'dp', 'tp'), ('dp', 'tp') or ('tp',); got "
+                         f"{names or None} (init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); "
+                         f"any size may be 1)")
+    if pipeline is not None and "pp" not in names:
+        raise ValueError(f"pipeline={pipeline!r} needs a 'pp' dimension; the mesh has {names} "
+                         f"(init_device_mesh('cpu', (pp, dp, tp), mesh_dim_names=('pp', 'dp', 'tp')))")
+    if pipeline is None and "pp" in names and mesh["pp"].size() > 1:
+        raise ValueError(f"the mesh has a 'pp' dimension of {mesh['pp'].size()}: choose a pipeline schedule, "
+                         f"pipeline= one of GPipe, 1F1B, Interleaved1F1B, ... (or a mesh with pp 1)")
     if data_parallel is not None and "dp" not in names:
         raise ValueError(f"data_parallel={data_parallel!r} needs a 'dp' dimension; the mesh has {names} "
                          f"(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')))")
     if data_parallel is None and "dp" in names and mesh["dp"].size() > 1:
         raise ValueError(f"the mesh has a 'dp' dimension of {mesh['dp'].size()}: choose data_parallel='ddp' "
                          f"(replicated) or 'fsdp' (fully sharded)")
+
+
+def wrap_stage(stage: nn.Module, mesh, data_parallel: str | None, blocks=()) -> nn.Module:
+    """One pipeline stage made data-parallel over ``mesh["dp"]`` in the form PyTorch's pipelining
+    drives (it holds the gradient reduction back until a step's last microbatch): FSDP2's
+    ``fully_shard``, or for ``"ddp"`` its replicated sibling ``replicate`` (ZeRO-0 on FSDP2's
+    machinery: every parameter whole on every dp rank, gradients all-reduced), each on the stage's
+    blocks and on the stage itself."""
+    if data_parallel is None:
+        return stage
+    if data_parallel == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        for block in blocks:
+            replicate(block, mesh=mesh["dp"])
+        replicate(stage, mesh=mesh["dp"])
+        return stage
+    apply(stage, mesh, "fsdp", blocks)
+    return stage
 
 
 def tp_group_of(mesh):

@@ -31,6 +31,7 @@ from tensorpar.models.lean import lean_decoder
 from tensorpar.models.sampling import Sampler, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear
 from tensorpar.sharding.audit import check_same_inputs
+from tensorpar.sharding.pipelined import PipelinedModel
 
 ENGINES = ("auto", "lean", "hf")
 
@@ -58,7 +59,13 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
     where it applies. Both compute the model's function; the lean one spends far less Python per
     step. ``return_cache`` gives a Hugging Face cache or a :class:`~tensorpar.models.lean.LeanCache`
     (made under ``torch.inference_mode``: readable anywhere, writable only there).
+
+    A model cut into pipeline stages is refused (``ValueError``): load it without them.
     """
+    if isinstance(model, PipelinedModel):
+        raise ValueError("generate does not run a model cut into pipeline stages (each decode step would pass "
+                         "through every stage in turn); load or parallelize the model without pipeline stages "
+                         "(pipeline=None, tp and dp only) to generate")
     vocab = _vocab_size(model)
     stops = _stop_ids(eos_token_id, vocab)
     if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)

@@ -28,6 +28,7 @@ from tensorpar.nn import ColumnParallelLinear, vocab_parallel_cross_entropy
 from tensorpar.sharding.audit import ReplicaDriftError, check_same_inputs
 from tensorpar.sharding.audit import audit as audit_replicas
 from tensorpar.sharding.commit import restore_tags
+from tensorpar.sharding.pipelined import PipelinedModel
 
 
 def _group(model):
@@ -81,6 +82,8 @@ def clip_grad_norm_(model, max_norm: float, *, eps: float = 1e-6) -> torch.Tenso
         dist.all_reduce(sq, group=group, module="clip_grad_norm")  # sum of every rank's share
     if fsdp:  # each dp rank holds other rows of the same tp shard: their squares add up
         dist.all_reduce(sq, group=report.dp_group, module="clip_grad_norm")
+    if getattr(report, "pp_size", 1) > 1:  # each pipeline rank holds other stages
+        dist.all_reduce(sq, group=report.pp_group, module="clip_grad_norm")
     total = sq.sqrt()[0]
     coef = (max_norm / (total + eps)).clamp(max=1.0)
     for p in params:
@@ -110,7 +113,7 @@ def _share_of_square(p, first_row=None) -> torch.Tensor:
     """This rank's share of ``||g_p||^2``: divided by the ranks holding the same values (under
     FSDP, of the rows of its tp shard that this dp rank holds)."""
     g = _local(p.grad)
-    sq = _square(g) / getattr(p, "tp_replicas", 1)
+    sq = _square(g) / (getattr(p, "tp_replicas", 1) * getattr(p, "tp_pp_replicas", 1))
     rows = getattr(p, "tp_row_replicas", None)
     if rows is not None:
         pieces, r = rows
@@ -172,18 +175,34 @@ def train_step(model, optimizer, input_ids: torch.Tensor, *, labels=None,
     differently, an optimizer configured differently on one rank). Costs a hash of every
     replicated tensor and one small all-gather: worth it every few hundred steps, or in a test.
     """
+    if isinstance(model, PipelinedModel):
+        model.check_batch(input_ids)
     if audit:
         check_same_inputs(model.tp_report.tp_group, input_ids=input_ids, labels=labels)
     elif check_batch:
         check_same_batch(model, input_ids, labels)
     optimizer.zero_grad(set_to_none=True)
-    loss = causal_lm_loss(model, input_ids, labels)
-    loss.backward()
+    if isinstance(model, PipelinedModel):  # every microbatch's forward and backward, under the schedule
+        loss = model.run_step(input_ids, input_ids if labels is None else labels)
+    else:
+        loss = causal_lm_loss(model, input_ids, labels)
+        loss.backward()
     norm = clip_grad_norm_(model, max_norm) if max_norm is not None else None
     optimizer.step()
     if audit:
         audit_replicas(model, raise_on_drift=True)
-    return {"loss": float(loss.detach()), "grad_norm": None if norm is None else float(norm)}
+    return {"loss": _global_mean(model, loss), "grad_norm": None if norm is None else float(norm)}
+
+
+def _global_mean(model, loss: torch.Tensor) -> float:
+    """The loss over the global batch: this dp rank's batch mean averaged over the dp ranks (one
+    all-reduce of 8 bytes; equal slices, as the gradients DDP and FSDP average)."""
+    value = loss.detach().to(torch.float64).reshape(1)  # (1,)
+    report = getattr(model, "tp_report", None)
+    if getattr(report, "dp_size", 1) > 1:
+        dist.all_reduce(value, group=report.dp_group, module="train_step")
+        value = value / report.dp_size
+    return float(value[0])
 
 
 def saved_activation_bytes(model, run) -> tuple[dict, object]:

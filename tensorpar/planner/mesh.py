@@ -26,6 +26,8 @@ Data parallel, per step (PyTorch's engines, as the shared-memory backend records
   (they reshard after forward; the root does not), and each unit's gradients are
   reduce-scattered in backward. Gradient clipping adds an all-reduce of one float over dp.
 
+Under either engine ``train_step`` averages the loss it returns over dp: an all-reduce of 8 bytes.
+
 Model states per rank (Rajbhandari et al. 2020): the parameters this rank holds, as many
 gradients, and AdamW's two moments (``exp_avg``, ``exp_avg_sq``), in the model's dtype; under
 FSDP the rank's own rows only (the padding is not stored in its shard).
@@ -170,7 +172,8 @@ def dp_items(inv: ModelInventory, dp: int, data_parallel: str, e: int, *, tp_ran
     if data_parallel == "ddp":
         sizes = [_numel(shape) * e for _, shape in _local_params(inv, tp_rank)]
         return _merge([item("all_reduce", "data_parallel", "backward", b, 1, "a DDP gradient bucket")
-                       for b in ddp_buckets(sizes)])
+                       for b in ddp_buckets(sizes)]
+                      + [item("all_reduce", "train_step", "forward", 8, 1, "the loss averaged over dp")])
     out = []
     for unit, shapes in _units(inv, tp_rank).items():
         n = fsdp_unit_elems(shapes, dp) * e
@@ -182,6 +185,7 @@ def dp_items(inv: ModelInventory, dp: int, data_parallel: str, e: int, *, tp_ran
     if clip:
         out.append(item("all_reduce", "clip_grad_norm", "forward", 8, 1,
                         "the squared gradient norm's FSDP rows summed over dp"))
+    out.append(item("all_reduce", "train_step", "forward", 8, 1, "the loss averaged over dp"))
     return _merge([replace(i, where=generic_name(i.where)) for i in out])
 
 

@@ -38,6 +38,16 @@ class ParallelizeReport:
     sequence_parallel: bool = False  # blocks run on sequence chunks between their regions
     dp_group: object = None
     dp_size: int = 1
+    # pipeline stages (parallelize(mesh=..., pipeline=...)): this rank's place among pp ranks
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: object = None
+    pp_last_rank: int = 0  # the pp rank holding the last stage
+    schedule: str | None = None
+    microbatches: int = 1
+    virtual_stages: int = 1
+    stage_blocks: list | None = None  # [[first block, end)] of every stage
+    stages: list | None = None  # the stages this rank holds
 
     @classmethod
     def of(cls, model, res, tp_group, tp_size, tp_rank, params_total, *, proved) -> "ParallelizeReport":

@@ -34,7 +34,9 @@ from tensorpar.architecture.plans import generic
 from tensorpar.distributed import dp_engines
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
-from tensorpar.sharding import marks, probes, sequence
+from tensorpar.architecture import pipeline as arch_pipeline
+from tensorpar.distributed import pipelining
+from tensorpar.sharding import marks, pipelined, probes, sequence, stage_cut
 from tensorpar.sharding.check import check
 from tensorpar.sharding.commit import commit, tag_params
 from tensorpar.sharding.declare import declare
@@ -49,7 +51,9 @@ MAX_ATTEMPTS = 8  # place -> commit -> prove rounds: each one leaves at least on
 
 
 def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data_parallel: str | None = None,
-                sequence_parallel: bool = False, example_inputs=None, prove: bool = True) -> nn.Module:
+                sequence_parallel: bool = False, example_inputs=None, prove: bool = True,
+                pipeline: str | None = None, microbatches: int = 1, virtual_stages: int | None = None,
+                stage_blocks=None) -> nn.Module:
     """Shard ``model`` over the ranks of ``tp_group`` (None: world) following ``plan``; return it.
 
     ``plan``: ``"auto"`` (the registry's plan for ``config.model_type``, else the model's own
@@ -69,13 +73,24 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     every rank holds only its chunk of the sequence, all-gathered into each region and
     reduce-scattered out of it (:mod:`tensorpar.sharding.sequence`); the sequence length must
     then divide by tp. Proved, with ``prove``, against the split model without it.
+
+    ``pipeline``: a schedule name (``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``,
+    ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``, ...: :mod:`tensorpar.architecture.pipeline`)
+    on a mesh with dimensions ``("pp", "dp", "tp")``: the model is cut into ``pp x virtual_stages``
+    stages of consecutive blocks (``stage_blocks``: the blocks of each; default as even as
+    possible, the extra ones to the first stages), each split by tensor parallelism as above and
+    made data-parallel as above, run by PyTorch's pipelining with ``microbatches`` microbatches per
+    step. Returns a :class:`~tensorpar.sharding.pipelined.PipelinedModel` holding this rank's stages
+    (train it with :func:`tensorpar.models.training.train_step`); the model passed in is then
+    only the source of its pieces.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     _check_dense(model)
     if not isinstance(sequence_parallel, bool):
         raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-    dp_engines.check_args(mesh, tp_group, data_parallel)
+    dp_engines.check_args(mesh, tp_group, data_parallel, pipeline)
+    cut = _check_pipeline(model, mesh, pipeline, microbatches, virtual_stages, stage_blocks, sequence_parallel)
     if mesh is not None:
         tp_group = dp_engines.tp_group_of(mesh)
     tp_size, tp_rank = tp_info(tp_group)  # ValueError on a rank outside tp_group
@@ -104,6 +119,8 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
     model.tp_report = ParallelizeReport.of(model, res, tp_group, tp_size, tp_rank, params_total,
                                            proved=("replica" if on_meta else True) if prove and tp_size > 1
                                            else tp_size == 1)
+    if cut is not None:
+        return _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     if data_parallel is not None:
         try:
             dp_engines.apply(model, mesh, data_parallel, [block for _, block in probes.blocks(model)])
@@ -116,6 +133,64 @@ def parallelize(model: nn.Module, plan="auto", *, tp_group=None, mesh=None, data
         model.tp_report.dp_size = mesh["dp"].size()
     model.tp_report.sequence_parallel = sequence_parallel
     return model
+
+
+def _check_pipeline(model, mesh, pipeline, microbatches, virtual_stages, stage_blocks, sequence_parallel):
+    """``(anatomy, schedule, virtual, blocks per stage)`` of a pipelined ``parallelize``, None without
+    a pipeline: the arguments checked and the model's order traced, before any collective."""
+    if pipeline is None:
+        if virtual_stages is not None or stage_blocks is not None or microbatches != 1:
+            raise ValueError("microbatches, virtual_stages and stage_blocks are pipeline settings: give "
+                             "pipeline= a schedule name (and a mesh with a 'pp' dimension)")
+        return None
+    blocks = len(probes.blocks(model))
+    schedule, virtual, sizes = pipelined.check(pipeline, microbatches, virtual_stages, stage_blocks, blocks,
+                                               mesh["pp"].size())
+    return stage_cut.anatomy(model), schedule, virtual, sizes
+
+
+def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches):
+    """The split ``model`` cut into this rank's stages (:mod:`.stage_cut`), each made data-parallel,
+    under the schedule (:mod:`.pipelined`)."""
+    anat, schedule, virtual, sizes = cut
+    report = model.tp_report
+    pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    ranges = arch_pipeline.stage_ranges(sizes)
+    indices = arch_pipeline.stages_of_rank(pp_rank, pp, virtual, schedule)
+    chunks = report.tp_size if sequence_parallel else 1
+    raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks) for i in indices]
+    tied = _tied_params(model, anat)
+    first, last = (arch_pipeline.rank_of_stage(s, pp, schedule) for s in (0, len(ranges) - 1))
+    tied_group = None
+    if tied and first != last:
+        tied_group = pipelining.tied_groups(mesh, first, last)
+        for p in tied:
+            p.tp_pp_replicas = 2  # the first and the last stage's ranks hold it: clipping counts it once
+    wrapped = []
+    for stage in raw:
+        stage_blocks = [b for b in stage.model.get_submodule(anat.stack_name) if any(True for _ in b.parameters())]
+        wrapped.append(dp_engines.wrap_stage(stage, mesh, data_parallel, stage_blocks))
+    if data_parallel is not None:
+        report.data_parallel, report.dp_group, report.dp_size = data_parallel, mesh["dp"].get_group(), mesh["dp"].size()
+    report.sequence_parallel = sequence_parallel
+    report.pp_size, report.pp_rank, report.pp_group, report.pp_last_rank = pp, pp_rank, mesh["pp"].get_group(), last
+    report.schedule, report.microbatches, report.virtual_stages = schedule, microbatches, virtual
+    report.stage_blocks, report.stages = [list(r) for r in ranges], indices
+    out = pipelined.PipelinedModel(wrapped, raw, config=getattr(model, "config", None), report=report,
+                                   schedule=schedule, microbatches=microbatches, pp_group=mesh["pp"].get_group(),
+                                   tied=[p for p in tied if any(p is q for q in _params(raw))], tied_group=tied_group)
+    out._tp_param_tags = model.__dict__.get("_tp_param_tags")
+    return out
+
+
+def _params(stages):
+    return [p for s in stages for p in s.parameters()]
+
+
+def _tied_params(model, anat) -> list:
+    """Parameters held both by a piece before the blocks and by one after them (a tied head)."""
+    before = {id(p) for name, _ in anat.before for p in model.get_submodule(name).parameters()}
+    return [p for name in anat.after for p in model.get_submodule(name).parameters() if id(p) in before]
 
 
 def _sequence_parallel(model, res, blist, tp_group, tp_size, undo, prove: bool, given_inputs) -> None:

@@ -1,0 +1,96 @@
+"""Pipeline stages on PyTorch's own engine, ``torch.distributed.pipelining``.
+
+Each rank's stage modules become ``PipelineStage``s in the mesh's ``pp`` group and run under one
+of PyTorch's schedules, chosen by name (:mod:`tensorpar.architecture.pipeline`). Stage-to-stage
+sends and receives go through the ``pp`` group (over gloo, to which the shared-memory backend hands
+point-to-point transfers). Each one a step's schedule issues is recorded in the open ledger as
+``send`` (bytes sent: the tensor's) or ``recv`` (none sent), phase ``forward`` for activations
+and ``backward`` for their gradients, module ``pipeline.stage<i>`` (the stage that issues it);
+the one-off exchanges of the first step (neighbour handshakes, shape inference) are not.
+
+The loss of a microbatch is its tokens' summed cross-entropy divided by the token count of the
+whole (per dp rank) batch, and the schedule does not rescale (``scale_grads=False``): the
+gradients the schedule accumulates are then those of the batch's mean loss exactly as one
+process computes it, ignored (``-100``) labels and all.
+
+A tied input embedding and output head live on the first and the last stage: after the schedule
+their gradients are summed over the two ranks holding them (one all-reduce per tp shard, in a
+group of the two), so both copies take the same optimizer step, as Megatron-LM's embedding group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from tensorpar.architecture import pipeline as arch
+from tensorpar.distributed import collectives, groups
+from tensorpar.distributed.ledger import active_ledger
+
+
+def schedule_class(name: str):
+    """PyTorch's schedule class of a name (:data:`tensorpar.architecture.pipeline.SCHEDULES`)."""
+    return get_schedule_class(arch.schedule_name(name))
+
+
+class _RecordedStage(PipelineStage):
+    """A ``PipelineStage`` whose activation and gradient transfers are recorded in the open ledger."""
+
+    def _recorded(self, ops, phase: str):
+        led = active_ledger()
+        if led is not None:
+            for o in ops:
+                led.record("send" if o.op is tdist.isend else "recv", o.tensor, groups.get_world_size(self.group),
+                           phase=phase, module=f"pipeline.stage{self.stage_index}",
+                           group=groups.group_name(self.group))
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._recorded(super().get_fwd_recv_ops(fwd_chunk_id), "forward")
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._recorded(super().get_fwd_send_ops(fwd_chunk_id), "forward")
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._recorded(super().get_bwd_recv_ops(bwd_chunk_id), "backward")
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._recorded(super().get_bwd_send_ops(bwd_chunk_id), "backward")
+
+
+def build_schedule(modules: list, indices: list, n_stages: int, schedule: str, microbatches: int, loss_fn,
+                   pp_group, device: torch.device):
+    """The schedule running this rank's stage ``modules`` (stage ``indices[i]`` each) in ``pp_group``."""
+    stages = [_RecordedStage(m, i, n_stages, device, group=pp_group) for m, i in zip(modules, indices)]
+    cls = schedule_class(schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def tied_groups(mesh, holders_first: int, holders_last: int):
+    """For every ``(dp, tp)`` position of ``mesh`` (``("pp", "dp", "tp")``), a group of the ranks of
+    pipeline ranks ``holders_first`` and ``holders_last`` at that position (every rank creates
+    every group, in one order); returns this rank's, or None."""
+    ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+    mine = None
+    me = tdist.get_rank()
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            pair = sorted({int(ranks[holders_first, d, t]), int(ranks[holders_last, d, t])})
+            group = groups.new_group(pair)
+            if me in pair:
+                mine = group
+    return mine
+
+
+def sum_tied_grads(params: list, group) -> None:
+    """Sum the gradients of the tied ``params`` over ``group`` (the first and last stage's copies)."""
+    for p in params:
+        if p.grad is not None:
+            collectives.all_reduce(p.grad, group=group, module="pipeline.tied_embedding")
+
+
+def pp_rank_of_stage(stage: int, pp: int, schedule: str) -> int:
+    return arch.rank_of_stage(stage, pp, schedule)

@@ -1,0 +1,163 @@
+"""Workers for tests/test_pipeline.py (spawned ranks import them)."""
+import copy
+import warnings
+
+import torch
+import torch.distributed as tdist
+
+from tensorpar.apply import parallelize
+from tensorpar.models.tiny import make_tiny_model
+from tensorpar.models.training import causal_lm_loss, train_step
+
+STEPS, BATCH, SEQ = 20, 4, 8
+LR, DECAY, MAX_NORM = 3e-3, 0.1, 0.5  # the tiny models' gradient norms are ~1-3: clipping acts
+
+# name -> (architecture, sizes): 4 blocks unless the case says otherwise
+MODELS = {
+    "llama": ("llama", {"num_hidden_layers": 4}),
+    "llama3": ("llama", {"num_hidden_layers": 3}),   # uneven: 2 + 1 blocks at pp 2
+    "gpt2": ("gpt2", {"num_hidden_layers": 4}),      # tied wte/lm_head, learned positions (wpe)
+    "mixtral": ("mixtral", {"num_hidden_layers": 2}),  # mixture of experts
+}
+
+
+def _dense(name):
+    arch, sizes = MODELS[name]
+    return make_tiny_model(arch, seed=5, dtype=torch.float64, **sizes)
+
+
+def _batches(vocab: int) -> list:
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randint(0, vocab, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def _reference(dense, steps) -> dict:
+    """The unsplit model in this process on the global batch: AdamW, torch's own clipping; the
+    first step's clipped gradients by name."""
+    model = copy.deepcopy(dense).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    losses, norms, first = [], [], None
+    for ids in steps:
+        opt.zero_grad(set_to_none=True)
+        loss = causal_lm_loss(model, ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        if first is None:
+            first = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        opt.step()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "grads": first,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}}
+
+
+def _grad_err(model, ref_grads, full) -> float:
+    """The largest relative difference of this rank's gradient of every parameter it holds from its
+    piece of the reference's (``full``: the parameter's whole value, a DTensor's full_tensor())."""
+    worst = 0.0
+    for name, p in model.named_parameters():
+        mine = full(p.grad)
+        expected = p.tp_spec.apply(ref_grads[name]) if p.tp_spec.is_shard else ref_grads[name]
+        scale = max(float(expected.abs().max()), 1e-30)
+        worst = max(worst, float((mine - expected).abs().max()) / scale)
+    return worst
+
+
+def _param_err(model, ref_params, full) -> float:
+    worst = 0.0
+    for name, p in model.named_parameters():
+        mine = full(p.detach())
+        expected = p.tp_spec.apply(ref_params[name]) if p.tp_spec.is_shard else ref_params[name]
+        worst = max(worst, float((mine - expected).abs().max()) / max(float(expected.abs().max()), 1e-30))
+    return worst
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def pipeline_worker(layouts):
+    """For each ``(pp, dp, tp, schedule, microbatches, model[, options])``: 20 AdamW steps with
+    clipping on a (pp, dp, tp) mesh, each dp rank on its rows of the global batch, against the
+    reference in float64: the loss train_step returns, the clipped norm, every parameter's first
+    gradient and every trained parameter."""
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+    out, refs = {}, {}
+    for layout in layouts:
+        pp, dp, tp, schedule, mb, name, opts = (*layout, {})[:7]
+        if name not in refs:
+            dense = _dense(name)
+            steps = _batches(dense.config.vocab_size)
+            refs[name] = (dense, steps, _reference(dense, steps))
+        dense, steps, ref = refs[name]
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        model = parallelize(copy.deepcopy(dense).train(), mesh=mesh, pipeline=schedule, microbatches=mb,
+                            data_parallel=opts.get("dp"), sequence_parallel=opts.get("sp", False),
+                            virtual_stages=opts.get("virtual"), stage_blocks=opts.get("blocks"))
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+        d = mesh["dp"].get_local_rank()
+        rows = slice(d * BATCH // dp, (d + 1) * BATCH // dp)
+        losses, norms, grad_err = [], [], None
+        for ids in steps:
+            res = train_step(model, opt, ids[rows], max_norm=MAX_NORM)
+            losses.append(res["loss"])
+            norms.append(res["grad_norm"])
+            if grad_err is None:
+                grad_err = _grad_err(model, ref["grads"], _full)
+        out[str(layout)] = {
+            "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+            "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+            "grad_err": grad_err,
+            "param_err": _param_err(model, ref["params"], _full),
+            "clipped_steps": sum(n > MAX_NORM for n in ref["norms"]),
+            "stages": model.stage_indices, "stage_blocks": model.tp_report.stage_blocks,
+            "names": sorted(n for n, _ in model.named_parameters()),
+            "rank": tdist.get_rank()}
+    return out
+
+
+def _untouched(model) -> bool:
+    return not hasattr(model, "tp_report") and type(model.model.layers[0].mlp.up_proj).__name__ == "Linear"
+
+
+def refusal_worker() -> dict:
+    """What a pipelined parallelize refuses, before any collective and with the model untouched;
+    what train_step and generate refuse on a pipelined model."""
+    warnings.filterwarnings("ignore")
+    from torch.distributed.device_mesh import init_device_mesh
+    from tensorpar.models.generation import generate
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    flat = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    cases = {"schedule": ("llama", dict(mesh=mesh, pipeline="Bogus")),
+             "too_many_stages": ("llama", dict(mesh=mesh, pipeline="Interleaved1F1B", virtual_stages=4)),
+             "virtual_not_dividing": ("llama3", dict(mesh=mesh, pipeline="LoopedBFS", virtual_stages=1)),
+             "bad_blocks": ("llama", dict(mesh=mesh, pipeline="1F1B", stage_blocks=(3, 2))),
+             "pp_without_schedule": ("llama", dict(mesh=mesh)),
+             "schedule_without_pp": ("llama", dict(mesh=flat, pipeline="1F1B", data_parallel="ddp")),
+             "schedule_without_mesh": ("llama", dict(pipeline="1F1B")),
+             "microbatches_without_schedule": ("llama", dict(mesh=flat, data_parallel="ddp", microbatches=2))}
+    for key, (name, kwargs) in cases.items():
+        model = copy.deepcopy(_dense(name))
+        try:
+            parallelize(model, **kwargs)
+            out[key] = (None, _untouched(model))
+        except ValueError as exc:
+            out[key] = (str(exc), _untouched(model))
+    model = parallelize(copy.deepcopy(_dense("llama")).train(), mesh=mesh, pipeline="1F1B", microbatches=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = _batches(model.config.vocab_size)[0]
+    for key, call in (("microbatches", lambda: train_step(model, opt, ids)),
+                      ("generate", lambda: generate(model, ids[:1], 2)),
+                      ("forward", lambda: model(input_ids=ids))):
+        try:
+            call()
+            out[key] = None
+        except ValueError as exc:
+            out[key] = str(exc)
+    return out
+
+
+def all_worker(layouts) -> dict:
+    """Everything test_pipeline.py asks of 4 ranks, in one launch."""
+    return {"refusals": refusal_worker(), "layouts": pipeline_worker(layouts)}

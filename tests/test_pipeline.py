@@ -1,0 +1,89 @@
+"""Pipeline stages (``parallelize(mesh=(pp, dp, tp), pipeline=...)``) against the unsplit model.
+
+One launch of 4 ranks runs every layout (tests/_pipeline_workers.py): 20 AdamW steps with
+clipping in float64 on the global batch, against the same steps on one process. The tolerance,
+1e-12 relative, is float64 rounding: the pipelined run adds the microbatches' losses and gradients
+in another order than one process (a few ulps per step, grown over 20 steps of AdamW, which
+divides by the root of the second moment), while a wrong cut, a missed tied-gradient sum, a
+stage that drops a block or a gradient counted twice is off by far more than that.
+"""
+import functools
+
+import pytest
+
+from tensorpar import distributed as dist
+from tests import _pipeline_workers as W
+
+TOL = 1e-12
+LAYOUTS = [
+    (2, 1, 2, "1F1B", 2, "llama"),                                   # pp 2 x tp 2
+    (2, 2, 1, "GPipe", 2, "llama", {"dp": "ddp"}),                    # pp 2 x dp 2 (DDP)
+    (4, 1, 1, "1F1B", 4, "llama"),                                    # pp 4
+    (2, 1, 2, "1F1B", 2, "llama", {"sp": True}),                      # pp 2 x tp 2, sequence parallel
+    (2, 1, 2, "Interleaved1F1B", 2, "llama", {"virtual": 2}),         # 2 virtual stages per rank
+    (2, 1, 2, "1F1B", 2, "gpt2"),                                     # tied embeddings, learned positions
+    (2, 2, 1, "GPipe", 2, "mixtral", {"dp": "ddp"}),                  # mixture of experts
+    (2, 2, 1, "1F1B", 2, "llama3", {"dp": "ddp"}),                    # uneven: 2 + 1 blocks
+    (2, 1, 2, "ZBVZeroBubble", 2, "llama"),                           # zero bubble, a V of 2 stages per rank
+    (2, 2, 1, "1F1B", 2, "llama", {"dp": "fsdp"}),                    # pp 2 x dp 2 (FSDP2)
+    (2, 1, 2, "1F1B", 2, "llama", {"blocks": (3, 1)}),                # uneven by request
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return dist.launch(W.all_worker, 4, LAYOUTS, deadline=900)
+
+
+def _case(layout):
+    """The layout's results on each of the 4 ranks."""
+    return [r["layouts"][str(layout)] for r in _results()]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "-".join(str(x) for x in lay[:6]) +
+                         ("-" + "-".join(f"{k}{v}" for k, v in lay[6].items()) if len(lay) > 6 else ""))
+def test_pipelined_training_equals_the_single_process_run(layout):
+    for r in _case(layout):
+        assert r["loss_err"] <= TOL, r
+        assert r["norm_err"] <= TOL, r
+        assert r["grad_err"] <= TOL, r
+        assert r["param_err"] <= TOL, r
+    assert _case(layout)[0]["clipped_steps"] > 0  # clipping acted on some steps
+
+
+def test_every_block_is_held_by_exactly_one_stage():
+    uneven = (2, 2, 1, "1F1B", 2, "llama3", {"dp": "ddp"})
+    res = _case(uneven)
+    assert res[0]["stage_blocks"] == [[0, 2], [2, 3]]
+    held = [r["names"] for r in res]
+    blocks = {n.split(".")[2] for names in held for n in names if n.startswith("model.layers.")}
+    assert blocks == {"0", "1", "2"}
+
+
+REFUSALS = {
+    "schedule": "pipeline schedule 'Bogus' does not exist; valid: GPipe, 1F1B, Interleaved1F1B",
+    "too_many_stages": "pp=2 x 4 stage(s) per rank = 8 stages, more than the model's 4 blocks; valid pp with 4",
+    "virtual_not_dividing": "2 virtual stages (pp=2 x 1) do not divide the model's 3 blocks; stages that do: [1, 3]",
+    "bad_blocks": "blocks per stage [3, 2] must be 2 positive counts adding up to the model's 4 blocks",
+    "pp_without_schedule": "the mesh has a 'pp' dimension of 2: choose a pipeline schedule",
+    "schedule_without_pp": "pipeline='1F1B' needs a 'pp' dimension; the mesh has ('dp', 'tp')",
+    "schedule_without_mesh": "pipeline='1F1B' needs mesh=, a DeviceMesh with dimensions ('pp', 'dp', 'tp')",
+    "microbatches_without_schedule": "microbatches, virtual_stages and stage_blocks are pipeline settings",
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFUSALS))
+def test_bad_pipeline_arguments_are_refused_before_anything_changes(key):
+    for r in _results():
+        message, untouched = r["refusals"][key]
+        assert message is not None and REFUSALS[key] in message, message
+        assert untouched
+
+
+@pytest.mark.parametrize("key, message", [
+    ("microbatches", "microbatches=3 does not divide the batch of 4 sequences"),
+    ("generate", "generate does not run a model cut into pipeline stages"),
+    ("forward", "runs through tensorpar.models.training.train_step")])
+def test_a_pipelined_model_refuses_what_it_cannot_run(key, message):
+    for r in _results():
+        assert r["refusals"][key] is not None and message in r["refusals"][key]
