@@ -158,6 +158,66 @@ def refusal_worker() -> dict:
     return out
 
 
-def all_worker(layouts) -> dict:
+def all_worker(layouts, folder) -> dict:
     """Everything test_pipeline.py asks of 4 ranks, in one launch."""
-    return {"refusals": refusal_worker(), "layouts": pipeline_worker(layouts)}
+    return {"refusals": refusal_worker(), "layouts": pipeline_worker(layouts),
+            "checkpoints": checkpoint_worker(folder)}
+
+
+CKPT_STEPS = 6  # 3 steps, a checkpoint, 3 more in another layout
+
+
+def _run(model, opt, steps, rows=slice(None)) -> list:
+    return [train_step(model, opt, ids[rows], max_norm=MAX_NORM)["loss"] for ids in steps]
+
+
+def _layout_model(dense, layout):
+    """``layout``: "pp2xtp2", "pp4", "tp4" or "dense", on the 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = copy.deepcopy(dense).train()
+    if layout == "pp2xtp2":
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        return parallelize(model, mesh=mesh, pipeline="1F1B", microbatches=2)
+    if layout == "pp4":
+        mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+        return parallelize(model, mesh=mesh, pipeline="GPipe", microbatches=4)
+    if layout == "tp4":
+        return parallelize(model)
+    return model
+
+
+def checkpoint_worker(folder: str) -> dict:
+    """A checkpoint saved at pp 2 x tp 2 resumes at tp 4, at pp 4 and unsplit, and checkpoints saved
+    at tp 4 and unsplit resume at pp 2 x tp 2: each the last 3 of 6 steps against the reference's;
+    ``export`` of the pipelined model after 3 steps against the reference's parameters then."""
+    from pathlib import Path
+    from tensorpar.models.saving import export, load, save
+    warnings.filterwarnings("ignore")
+    dense = _dense("gpt2")  # tied embedding and head: one key in the checkpoint, two stages holding it
+    steps = _batches(dense.config.vocab_size)[:CKPT_STEPS]
+    ref_model = copy.deepcopy(dense).train()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=DECAY)
+    ref = _run(ref_model, ref_opt, steps[:3])
+    ref_after3 = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    ref += _run(ref_model, ref_opt, steps[3:])
+    out = {}
+    for src, dsts in (("pp2xtp2", ("tp4", "pp4", "dense")), ("tp4", ("pp2xtp2",)), ("dense", ("pp2xtp2",))):
+        model = _layout_model(dense, src)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+        first = _run(model, opt, steps[:3])
+        where = Path(folder) / src
+        save(model, opt, where, step=3)
+        if src == "pp2xtp2":
+            export(model, Path(folder) / "export")
+        for dst in dsts:
+            resumed = _layout_model(dense, dst)
+            ropt = torch.optim.AdamW(resumed.parameters(), lr=LR, weight_decay=DECAY)
+            step = load(resumed, ropt, where)
+            after = _run(resumed, ropt, steps[3:])
+            out[(src, dst)] = {"step": step, "err": max(abs(a - b) / abs(b) for a, b in zip(first + after, ref))}
+    tdist.barrier()
+    from transformers import AutoModelForCausalLM
+    exported = AutoModelForCausalLM.from_pretrained(Path(folder) / "export", torch_dtype=torch.float64)
+    out["export"] = max(float((p.detach() - ref_after3[n]).abs().max()) / float(ref_after3[n].abs().max())
+                        for n, p in exported.named_parameters())
+    return out

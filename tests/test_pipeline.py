@@ -7,7 +7,9 @@ in another order than one process (a few ulps per step, grown over 20 steps of A
 divides by the root of the second moment), while a wrong cut, a missed tied-gradient sum, a
 stage that drops a block or a gradient counted twice is off by far more than that.
 """
+import atexit
 import functools
+import tempfile
 
 import pytest
 
@@ -32,7 +34,9 @@ LAYOUTS = [
 
 @functools.lru_cache(maxsize=None)
 def _results():
-    return dist.launch(W.all_worker, 4, LAYOUTS, deadline=900)
+    tmp = tempfile.TemporaryDirectory(prefix="tensorpar-pipeline-")
+    atexit.register(tmp.cleanup)
+    return dist.launch(W.all_worker, 4, LAYOUTS, tmp.name, deadline=900)
 
 
 def _case(layout):
@@ -87,3 +91,17 @@ def test_bad_pipeline_arguments_are_refused_before_anything_changes(key):
 def test_a_pipelined_model_refuses_what_it_cannot_run(key, message):
     for r in _results():
         assert r["refusals"][key] is not None and message in r["refusals"][key]
+
+
+@pytest.mark.parametrize("src, dst", [("pp2xtp2", "tp4"), ("pp2xtp2", "pp4"), ("pp2xtp2", "dense"),
+                                      ("tp4", "pp2xtp2"), ("dense", "pp2xtp2")])
+def test_a_checkpoint_resumes_on_the_same_curve_in_another_pipeline_layout(src, dst):
+    for r in _results():
+        res = r["checkpoints"][(src, dst)]
+        assert res["step"] == 3
+        assert res["err"] <= TOL, res
+
+
+def test_export_of_a_pipelined_model_is_the_dense_model():
+    for r in _results():
+        assert r["checkpoints"]["export"] <= TOL

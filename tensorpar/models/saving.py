@@ -92,7 +92,8 @@ def _describe(t: torch.Tensor, p, dense_size: int | None, dp_rows) -> "dcp.Block
 
 def _is_split(model) -> bool:
     report = getattr(model, "tp_report", None)
-    return report is not None and (report.tp_size > 1 or getattr(report, "data_parallel", None) is not None)
+    return report is not None and (report.tp_size > 1 or getattr(report, "data_parallel", None) is not None
+                                   or getattr(report, "pp_size", 1) > 1)
 
 
 def _reshard(model) -> None:
@@ -220,7 +221,8 @@ def _names(root: Path, step: int) -> tuple[str, str]:
 def _layout(model) -> dict:
     report = getattr(model, "tp_report", None)
     return {"world_size": dist.get_world_size(), "tp_size": getattr(report, "tp_size", 1),
-            "dp_size": getattr(report, "dp_size", 1), "data_parallel": getattr(report, "data_parallel", None)}
+            "dp_size": getattr(report, "dp_size", 1), "data_parallel": getattr(report, "data_parallel", None),
+            "pp_size": getattr(report, "pp_size", 1), "virtual_stages": getattr(report, "virtual_stages", 1)}
 
 
 def _commit(root: Path, tmp: Path, final: Path, record: dict) -> None:
@@ -307,7 +309,8 @@ def load(model, optimizer, path) -> int:
         _init_optimizer_state(model, optimizer, saved)
     state = _state(model, optimizer, 0)
     _check_keys(folder, saved, state)
-    same_layout = all(rec.get(k) == v for k, v in _layout(model).items())
+    unpipelined = {"pp_size": 1, "virtual_stages": 1}  # what a checkpoint from before pipeline stages had
+    same_layout = all(rec.get(k, unpipelined.get(k)) == v for k, v in _layout(model).items())
     if not same_layout:  # another rank numbering: a rank's generator is not this rank's to take
         state.pop(f"rng.{dist.get_rank()}")
     if not same_layout or _tp_rng_key() not in saved:

@@ -158,6 +158,7 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     ranges = arch_pipeline.stage_ranges(sizes)
     indices = arch_pipeline.stages_of_rank(pp_rank, pp, virtual, schedule)
     chunks = report.tp_size if sequence_parallel else 1
+    names = {id(p): n for n, p in model.named_parameters()}  # before the cut: a tied head's first name
     raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks) for i in indices]
     tied = _tied_params(model, anat)
     first, last = (arch_pipeline.rank_of_stage(s, pp, schedule) for s in (0, len(ranges) - 1))
@@ -178,7 +179,8 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     report.stage_blocks, report.stages = [list(r) for r in ranges], indices
     out = pipelined.PipelinedModel(wrapped, raw, config=getattr(model, "config", None), report=report,
                                    schedule=schedule, microbatches=microbatches, pp_group=mesh["pp"].get_group(),
-                                   tied=[p for p in tied if any(p is q for q in _params(raw))], tied_group=tied_group)
+                                   tied=[p for p in tied if any(p is q for q in _params(raw))], tied_group=tied_group,
+                                   names=names)
     out._tp_param_tags = model.__dict__.get("_tp_param_tags")
     return out
 

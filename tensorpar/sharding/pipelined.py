@@ -28,8 +28,9 @@ class PipelinedModel(nn.Module):
     """This rank's pipeline stages of a causal LM, and the schedule that runs them."""
 
     def __init__(self, stages: list, raw: list, *, config, report, schedule: str, microbatches: int,
-                 pp_group, tied: list, tied_group):
+                 pp_group, tied: list, tied_group, names: dict):
         super().__init__()
+        self._names = names  # id(parameter) -> its name in the whole model (a tied one: its first name)
         self.stages = nn.ModuleList(stages)  # as wrapped for data parallelism
         self._raw: list[StageModule] = raw  # the stage modules themselves
         self.config = config
@@ -43,11 +44,13 @@ class PipelinedModel(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         seen = set()
         for stage in self._raw:
-            for name, p in stage.model.named_parameters(prefix=prefix, remove_duplicate=remove_duplicate):
+            for name, p in stage.model.named_parameters(remove_duplicate=remove_duplicate):
                 if remove_duplicate and id(p) in seen:
                     continue
                 seen.add(id(p))
-                yield name, p
+                if remove_duplicate:  # a tied head on the last stage: under the embedding's name, as unsplit
+                    name = self._names.get(id(p), name)
+                yield prefix + ("." if prefix else "") + name, p
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
         memo = set() if memo is None else memo
@@ -60,6 +63,12 @@ class PipelinedModel(nn.Module):
     def state_dict(self, *args, **kwargs):
         raise ValueError("a pipelined model's state is saved with tensorpar.save / export (each rank writes "
                          "its stages' pieces under the model's own names)")
+
+    def reshard(self) -> None:
+        """FSDP2 stages' parameters back to their dp shards (as a checkpoint reads them)."""
+        for stage in self.stages:
+            if callable(getattr(stage, "reshard", None)):
+                stage.reshard()
 
     @property
     def stage_indices(self) -> list:
