@@ -74,6 +74,10 @@ def _run(root: str, which: str) -> dict:
                 "--data", f["npy"], "--resume", resume, "--save-every", str(SAVE_AT),
                 "--out", os.path.join(root, "out-resumed"),
                 "--export", os.path.join(root, "exported")]
+    if which == "pipelined":
+        resume = os.path.join(_run(root, "full")["out"], "checkpoints", f"step-{SAVE_AT:08d}")
+        argv = ["--model", f["model"], "--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "GPipe",
+                "--microbatches", "2", "--data", f["text"], "--resume", resume, "--out", os.path.join(root, "out-pp")]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         code = cli(["train", *argv, *COMMON])
@@ -117,8 +121,8 @@ def test_dp2_tp2_equals_the_single_process_run(files):
     assert _rel(run["grad_norms"], ref["norms"]) <= TOL, (run["grad_norms"], ref["norms"])
     assert min(ref["norms"]) > MAX_NORM  # clipping acted on every step
     assert ref["losses"][-1] < ref["losses"][0] - 0.05  # and the model learned something
-    assert run["layout"] == {"dp": 2, "tp": 2, "zero": 0, "data_parallel": "ddp", "sequence_parallel": False,
-                             "world_size": 4, "backend": "shm", "fixes": []}
+    assert run["layout"] == {"pp": 1, "dp": 2, "tp": 2, "zero": 0, "data_parallel": "ddp", "sequence_parallel": False,
+                             "world_size": 4, "backend": "shm", "fixes": [], "pipeline": None}
     assert run["data"]["kind"] == "text" and run["data"]["tokenizer"] == "UTF-8 bytes"
     assert run["data"]["tokens"] == len(files["ids"])
     assert [os.path.basename(p) for p in run["checkpoints"]] == ["step-00000003", "step-00000006"]
@@ -133,6 +137,19 @@ def test_resumed_at_another_layout_continues_the_same_curve(files):
     assert run["layout"]["tp"] == 4 and run["layout"]["data_parallel"] == "fsdp" and run["layout"]["sequence_parallel"]
     assert run["data"]["kind"] == "npy" and run["data"]["files"] == ["part-0.npy", "part-1.npy"]
     assert run["checkpoints"] == [os.path.join(run["out"], "checkpoints", f"step-{STEPS:08d}")]
+
+
+def test_resumed_with_pipeline_stages_continues_the_same_curve(files):
+    """The dp 2 x tp 2 checkpoint at step 3, resumed at pp 2 x tp 2 (GPipe, 2 microbatches): steps 4-6
+    on the reference's curve, the loss the global batch's on every rank."""
+    run, ref = _run(files["root"], "pipelined"), _reference(files["root"])
+    assert run["start_step"] == SAVE_AT and run["step_numbers"] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert _rel(run["losses"], ref["losses"][SAVE_AT:]) <= TOL, (run["losses"], ref["losses"][SAVE_AT:])
+    assert _rel(run["grad_norms"], ref["norms"][SAVE_AT:]) <= TOL
+    assert run["layout"]["pp"] == 2 and run["layout"]["world_size"] == 4
+    assert run["layout"]["pipeline"] == {"pp": 2, "schedule": "GPipe", "microbatches": 2, "virtual_stages": 1,
+                                         "stage_blocks": [1, 1]}
+    assert [m["rank"] for m in run["memory_per_rank"]] == [0, 1, 2, 3]
 
 
 def test_the_export_computes_the_trained_model(files):
@@ -218,6 +235,17 @@ TRAIN_ERRORS = [
     (["train", "--model", "{model}", "--out", "/proc/tensorpar-out"], "--out: '/proc/tensorpar-out' is not writable"),
     # more local ranks than any machine holds (8192 processes)
     (["train", "--model", "{model}", "--dp", "4096", "--tp", "2", "--batch", "4096"], "more local ranks than this machine"),
+    # pipeline stages: more stages than blocks, an unknown schedule, microbatches not dividing a dp rank's
+    # rows, virtual stages beyond the blocks
+    (["train", "--model", "{model}", "--pp", "3", "--tp", "1", "--dp", "1"],
+     "pp=3 x 1 stage(s) per rank = 3 stages, more than the model's 2 blocks; valid pp with 1 stage(s) per rank: [1, 2]"),
+    (["train", "--model", "{model}", "--pp", "2", "--schedule", "Bogus"],
+     "pipeline schedule 'Bogus' does not exist; valid: GPipe, 1F1B"),
+    (["train", "--model", "{model}", "--pp", "2", "--microbatches", "3"],
+     "microbatches=3 does not divide the batch of 4 sequences (per data-parallel rank); valid: [1, 2, 4]"),
+    (["train", "--model", "{model}", "--pp", "2", "--schedule", "Interleaved1F1B"],
+     "pp=2 x 2 stage(s) per rank = 4 stages, more than the model's 2 blocks"),
+    (["train", "--model", "{model}", "--pp", "0"], "--pp must be a positive integer, got 0"),
     # data that is not a regular file; a tokenizer that does not parse (the file named)
     (["train", "--model", "{model}", "--data", "{fifo}"], "is a named pipe (FIFO)"),
     (["train", "--model", "{bad_tokenizer_json}"], "bad-tokenizer-json/tokenizer.json is not valid JSON"),
@@ -438,6 +466,9 @@ def test_torchrun_world_size_must_be_dp_times_tp(files, tmp_path, capsys, monkey
         monkeypatch.setenv(k, v)
     code, _, err = _main(["--model", files["model"], "--tp", "2", "--dp", "2", "--out", str(tmp_path)], capsys)
     assert code == 2 and "--dp x --tp = 4 ranks, but torchrun started WORLD_SIZE=2" in err, err
+    code, _, err = _main(["--model", files["model"], "--pp", "2", "--tp", "2", "--dp", "1", "--out", str(tmp_path)],
+                         capsys)
+    assert code == 2 and "--pp x --dp x --tp = 4 ranks, but torchrun started WORLD_SIZE=2" in err, err
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(files, tmp_path, capsys):

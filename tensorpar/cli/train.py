@@ -10,8 +10,8 @@ from tensorpar.cli.progress import console, reporting_rank
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a causal LM over dp x tp local ranks (DDP or FSDP around tensor "
-                                     "parallelism), with checkpoints that resume at any layout")
+    p = sub.add_parser("train", help="train a causal LM over pp x dp x tp local ranks (pipeline stages, DDP or "
+                                     "FSDP around tensor parallelism), with checkpoints that resume at any layout")
     p.add_argument("--model", metavar="DIR", default=None,
                    help="a local Hugging Face causal-LM checkpoint (config.json + safetensors); default: a tiny "
                         "random Llama generated offline into the output folder")
@@ -19,6 +19,16 @@ def add_parser(sub) -> None:
                    help="tensor-parallel ranks (must divide the heads; default 2)")
     p.add_argument("--dp", type=int, default=2, metavar="M",
                    help="data-parallel ranks (default 2); dp x tp ranks in all")
+    p.add_argument("--pp", type=int, default=1, metavar="P",
+                   help="pipeline ranks (default 1): the model cut into stages of consecutive blocks; pp x dp x tp "
+                        "ranks in all")
+    p.add_argument("--schedule", default="1F1B", metavar="NAME",
+                   help="the pipeline schedule, PyTorch's: GPipe, 1F1B (default), Interleaved1F1B, LoopedBFS, "
+                        "InterleavedZeroBubble, ZBVZeroBubble, DualPipeV")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="microbatches per step and dp rank (must divide --batch / --dp; default --pp)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="stages per pipeline rank (default 1; 2 for the interleaved and V schedules)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="between the blocks' regions each tp rank holds its chunk of the sequence "
                         "(--seq must divide by tp)")
@@ -61,7 +71,9 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from tensorpar.jobs.train import NonFiniteLossError, TrainConfig, train
 
-    cfg = TrainConfig(model=args.model, tp=args.tp, dp=args.dp, sequence_parallel=args.sequence_parallel,
+    cfg = TrainConfig(model=args.model, tp=args.tp, dp=args.dp, pp=args.pp, schedule=args.schedule,
+                      microbatches=args.microbatches, virtual_stages=args.virtual_stages,
+                      sequence_parallel=args.sequence_parallel,
                       zero=args.zero, steps=args.steps, lr=args.lr, batch=args.batch, seq=args.seq, data=args.data,
                       save_every=args.save_every, out=args.out, resume=args.resume, export=args.export,
                       max_norm=args.max_norm, weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype,
@@ -141,7 +153,10 @@ def _show(r) -> None:
     if r.generated_model:
         con.print(f"no --model: a tiny random Llama (256 ids) was generated offline in {r.model_path}")
     data = r.data["path"] or "the packaged corpus"
-    con.print(f"[bold]{r.model}[/] ({r.dtype}) on dp {lay['dp']} x tp {lay['tp']} = {lay['world_size']} ranks "
+    pipe = lay["pipeline"]
+    stages = (f"pp {lay['pp']} ({pipe['schedule']}, {pipe['microbatches']} microbatches, blocks per stage "
+              f"{pipe['stage_blocks']}) x " if pipe else "")
+    con.print(f"[bold]{r.model}[/] ({r.dtype}) on {stages}dp {lay['dp']} x tp {lay['tp']} = {lay['world_size']} ranks "
               f"({lay['backend']}), zero {lay['zero']} ({lay['data_parallel'].upper()})"
               f"{', sequence parallel' if lay['sequence_parallel'] else ''}; data: {data} "
               f"({r.data['tokens']:,} tokens, {r.data['tokenizer'] or 'token ids'}); batch {r.batch} x {r.seq} tokens")
@@ -173,12 +188,13 @@ def _memory_table(con, r) -> None:
     t = Table(title="Memory per rank (MiB): the tensors it holds (under FSDP its shards), the planner's figure "
                     "for them, and its process", 
               title_justify="left")
-    cols = ["rank", "(dp, tp)", "parameters", "gradients", "optimizer", "total", "planner", "peak RSS"]
+    cols = ["rank", "(pp, dp, tp)", "parameters", "gradients", "optimizer", "total", "planner", "peak RSS"]
     for col in cols + (["GPU peak"] if gpu else []):
         t.add_column(col, justify="right")
-    tp = r.layout["tp"]
+    tp, dp = r.layout["tp"], r.layout["dp"]
     for m in r.memory_per_rank:
-        row = [str(m["rank"]), f"({m['rank'] // tp}, {m['rank'] % tp})", _mb(m["parameter_bytes"]),
+        rank = m["rank"]
+        row = [str(rank), f"({rank // (dp * tp)}, {rank // tp % dp}, {rank % tp})", _mb(m["parameter_bytes"]),
                _mb(m["gradient_bytes"]), _mb(m["optimizer_bytes"]), _mb(m["state_bytes"]),
                _mb(m["planned_state_bytes"]), _mb(m["peak_rss_bytes"])]
         t.add_row(*row, *([_mb(m["cuda_max_allocated_bytes"])] if gpu else []))

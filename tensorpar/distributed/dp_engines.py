@@ -94,8 +94,11 @@ def apply(model: nn.Module, mesh, data_parallel: str, blocks=()) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
-def init_mesh(dp: int, tp: int, device_type: str = "cpu"):
+def init_mesh(dp: int, tp: int, device_type: str = "cpu", *, pp: int | None = None):
     """The ``("dp", "tp")`` DeviceMesh over the world's ``dp * tp`` ranks: rank ``r`` at
-    ``(r // tp, r % tp)``, so each tp group is ``tp`` consecutive ranks (one node under torchrun)."""
+    ``(r // tp, r % tp)``, so each tp group is ``tp`` consecutive ranks (one node under torchrun).
+    With ``pp``: the ``("pp", "dp", "tp")`` mesh over ``pp * dp * tp`` ranks, pipeline stages outermost."""
     from torch.distributed.device_mesh import init_device_mesh
+    if pp is not None:
+        return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from tensorpar import distributed as dist
+from tensorpar.architecture import configs, pipeline
 from tensorpar.distributed.rendezvous import BACKENDS, under_torchrun
 from tensorpar.models.saving import LATEST, check_writable, record, resolve
 from tensorpar.sharding import sequence
@@ -35,7 +36,8 @@ CHECKPOINT_OVERHEAD, CHECKPOINT_SLACK = 1.25, 2 ** 20
 
 
 def check_numbers(cfg) -> None:
-    for name in ("tp", "dp", "steps", "batch", "seq") + (("save_every",) if cfg.save_every is not None else ()):
+    optional = tuple(n for n in ("save_every", "microbatches", "virtual_stages") if getattr(cfg, n) is not None)
+    for name in ("tp", "dp", "pp", "steps", "batch", "seq") + optional:
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -89,16 +91,36 @@ def check_paths(cfg) -> None:
                 raise ValueError(f"{flag}: {exc}") from None
 
 
-def check_world(world: int, backend: str) -> None:
+def check_world(world: int, backend: str, *, dims: str = "dp x tp") -> None:
     """Local ranks: no more than this machine can hold, and the backend can serve them (NCCL: a
-    GPU each). Under torchrun the processes are already there: dp x tp must be their number."""
+    GPU each). Under torchrun the processes are already there: ``dims`` (dp x tp, or pp x dp x tp)
+    must be their number."""
     env = os.environ.get("WORLD_SIZE")
     if under_torchrun() and env != str(world):
-        raise ValueError(f"--dp x --tp = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
-                         f"run torchrun --nproc-per-node {world} (one node), or choose dp x tp = {env}")
+        flags = " x ".join(f"--{d}" for d in dims.split(" x "))
+        raise ValueError(f"{flags} = {world} ranks, but torchrun started WORLD_SIZE={env} processes; "
+                         f"run torchrun --nproc-per-node {world} (one node), or choose {dims} = {env}")
     dist.check_world(world)  # the launcher's checks: TENSORPAR_* values, torchrun's variables, room for the ranks
     if not under_torchrun():
         dist.resolve_backend(backend, world)
+
+
+def check_pipeline(cfg, ckpt) -> dict | None:
+    """The pipeline's settings against the model's blocks and the batch (``ValueError`` naming the
+    value and the valid choices), resolved: ``{"pp", "schedule", "microbatches", "virtual_stages",
+    "stage_blocks"}``; None without pipeline stages."""
+    given = cfg.schedule != "1F1B" or cfg.microbatches is not None or cfg.virtual_stages is not None
+    if cfg.pp == 1 and not given:
+        return None
+    blocks = configs.n_layers(ckpt.config)
+    if blocks is None:
+        raise ValueError(f"--pp {cfg.pp}: {ckpt.path.name}'s config.json names no layer count to cut into stages")
+    microbatches = cfg.pp if cfg.microbatches is None else cfg.microbatches
+    schedule, virtual, sizes = pipeline.check(pp=cfg.pp, blocks=blocks, schedule=cfg.schedule,
+                                              microbatches=microbatches, virtual=cfg.virtual_stages,
+                                              batch=cfg.batch // cfg.dp)
+    return {"pp": cfg.pp, "schedule": schedule, "microbatches": microbatches, "virtual_stages": virtual,
+            "stage_blocks": sizes}
 
 
 def check_split(cfg, ckpt):
