@@ -139,7 +139,8 @@ def test_data_parallel_gradients_and_zero():
 def test_plan_per_step_is_micro_batches_times_the_runtime_step_plus_dp():
     """The plan's tensor-parallel items of a step are the runtime's training step (the template's
     sites: the prediction the ledger tests check) once per micro-batch, plus train_step's digest
-    and gradient-norm all-reduces once; data parallelism is one DDP bucket of every gradient."""
+    and gradient-norm all-reduces once; data parallelism is one DDP bucket of every gradient and
+    the loss's all-reduce."""
     lay = _lay(dp=2, global_batch=12)  # 2 micro-batches of 3 per data-parallel rank
     r = plan(TINY, lay, get_hardware("a100-80gb"))
     step = predict_from_inventory(TemplateSource(TINY).at(2), 3, TINY.seq, 4, "train")
@@ -148,7 +149,8 @@ def test_plan_per_step_is_micro_batches_times_the_runtime_step_plus_dp():
     assert once == [("train_step", 16, 1), ("clip_grad_norm", 8, 1)]
     assert sum(i["bytes_sent_per_device"] * i["count"] for i in tp_items) == 2 * step.bytes_sent_per_rank[0] + 16 + 8
     dp_items = [i for i in r.comm["per_step"] if i["group"] == "dp"]
-    assert len(dp_items) == 1 and dp_items[0]["payload_bytes"] == r.params_per_device * 4
+    assert [(i["where"], i["payload_bytes"]) for i in dp_items] == [  # and train_step's loss averaged over dp
+        ("data_parallel", r.params_per_device * 4), ("train_step", 8)]
     assert [(i["op"], i["where"], i["payload_bytes"]) for i in r.comm["per_layer"]] == [
         (i.op, i.where, i.payload_bytes) for i in step.per_layer]
 

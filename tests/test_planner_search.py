@@ -57,9 +57,11 @@ def test_valid_tp_sizes_are_the_runtimes_the_mlp_width_divides():
 
 def test_sequence_parallel_and_pipeline_divisibility():
     m = ModelSpec(family="llama", layers=6, hidden=64, heads=4, vocab=64, seq=10)
-    r = plan(m, Layout(tp=4, pp=4, sequence_parallel=True), H100)
+    r = plan(m, Layout(tp=4, pp=8, sequence_parallel=True), H100)
     assert any("splits seq (10) over tp (4)" in x for x in r.reasons)
-    assert any("pp (4) must divide layers (6); valid pp sizes: 1, 2, 3, 6" in x for x in r.reasons)
+    assert any("pp (8) makes 8 stages, more than the model's 6 blocks; valid pp sizes: 1 to 6" in x for x in r.reasons)
+    uneven = plan(m, Layout(pp=4, global_batch=4), H100)  # the runtime's cut: 2, 2, 1, 1 blocks
+    assert uneven.feasible and [s["n_blocks"] for s in uneven.pipeline["stages"]] == [2, 2, 1, 1]
 
 
 def test_memory_over_capacity_names_the_parts_and_remedies():

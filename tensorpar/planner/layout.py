@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from tensorpar.architecture.pipeline import LOOPED, SINGLE, default_virtual, schedule_name
+
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 RECOMPUTE = ("none", "selective", "full")
 WORKLOADS = ("train", "inference")
@@ -22,6 +24,8 @@ class Layout:
     ``global_batch`` (sequences per optimizer step) defaults to ``micro_batch * dp`` (one
     micro-batch per step); it must be a multiple of ``micro_batch * dp``. ``optimizer``: the
     state Adam keeps per parameter (:func:`tensorpar.planner.memory.optimizer_bytes_per_param`).
+    ``schedule``: PyTorch's pipeline schedule by name (:mod:`tensorpar.architecture.pipeline`),
+    ``virtual_stages`` its stages per pipeline rank (default: 1 for GPipe and 1F1B, else 2).
     """
 
     tp: int = 1
@@ -35,6 +39,8 @@ class Layout:
     zero_stage: int = 0
     workload: str = "train"
     optimizer: str = "adam-mixed"
+    schedule: str = "1F1B"
+    virtual_stages: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "micro_batch"):
@@ -47,6 +53,10 @@ class Layout:
         check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
         check_choice("workload", self.workload, WORKLOADS)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "schedule", schedule_name(self.schedule))
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", default_virtual(self.schedule))
+        check_virtual(self.schedule, self.virtual_stages)
         if self.global_batch % (self.micro_batch * self.dp):
             per = self.micro_batch * self.dp
             raise ValueError(f"global_batch ({self.global_batch}) must be a multiple of micro_batch x dp "
@@ -73,6 +83,16 @@ def check_size(name: str, value) -> None:
     """ValueError unless ``value`` is a positive int (a bool is not a size)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
+def check_virtual(schedule: str, virtual) -> None:
+    """Stages per pipeline rank: 1 under a single-stage schedule, 2 under a V, any under a loop."""
+    check_size("virtual_stages", virtual)
+    if schedule in SINGLE and virtual != 1:
+        raise ValueError(f"virtual_stages ({virtual}) must be 1 under {schedule}; schedules with more stages per "
+                         f"rank: {', '.join(s for s in LOOPED)}, ZBVZeroBubble, DualPipeV")
+    if schedule not in SINGLE + LOOPED and virtual != 2:
+        raise ValueError(f"virtual_stages ({virtual}) must be 2 under {schedule} (a V: two stages per rank)")
 
 
 def check_choice(name: str, value, choices: tuple) -> None:

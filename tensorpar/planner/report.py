@@ -22,15 +22,19 @@ from .comm import CommItem, bytes_sent
 from .feasibility import fixes, memory_reasons, placement_warnings, sequence_reasons
 from .hardware import Hardware
 from .layout import Layout, check_size, group_placement
+from .pipeline_report import pipeline_section, rank_activation_bytes, stage_bytes_per_microbatch
+from .schedules import bubble_fraction, check_schedule
 from .source import ModelSource, source_of
-from .stages import Stages, held, layers_of, params_per_stage, stages, why_not
+from tensorpar.architecture.pipeline import stages_of_rank
+
+from .stages import Stages, blocks, held, layers_of, params_per_stage, stages, why_not
 from .timing import (comm_time_estimate, comm_time_lower_bound, compute_time_lower_bound, decode_bytes_read_per_device,
-                     memory_time_lower_bound, pipeline_bubble_fraction, steps_per_s_upper_bound)
-from .traffic import decode_items, prefill_items, stage_step
+                     memory_time_lower_bound, steps_per_s_upper_bound)
+from .traffic import decode_items, prefill_items, rank_step
 
 ASSUMPTIONS = [
     "the model split as tensorpar's runtime splits it (its plan, shards and collectives at this tp), stages "
-    "of equal block counts, rank order tp, dp, pp",
+    "cut as the runtime cuts them (L // stages blocks each, the remainder to the first), rank order tp, dp, pp",
     "lower bounds use vendor peak dense FLOP/s, peak HBM bandwidth and peak per-direction link "
     "bandwidth, zero latency, and let compute, memory traffic and communication overlap fully",
     "compute bounds count matmul FLOPs only, with causal attention over unmasked pairs only (at most "
@@ -39,8 +43,9 @@ ASSUMPTIONS = [
     "device even with in-network reduction), not ring bytes; ring bytes are listed per item",
     "memory: the optimizer's state per parameter as the layout names it (adam-mixed: 16 bytes/parameter at "
     "16-bit), activations per Korthikanti et al. 2022 without FlashAttention (each block's norms, split "
-    "projections, scores and dropout masks), 1F1B keeps min(pp - s, micro-batches) in flight on stage s",
-    "estimates (not bounds) add ring bytes, a fixed latency per collective, no overlap, the 1F1B bubble",
+    "projections, scores and dropout masks), each pipeline rank keeping its schedule's peak of microbatches "
+    "alive (1F1B: min(pp - s, micro-batches) on stage s)",
+    "estimates (not bounds) add ring bytes, a fixed latency per collective, no overlap, the schedule's bubble",
 ]
 
 
@@ -81,6 +86,7 @@ class PlanReport:
     kv_transfer_time_lower_bound_s: float | None = None
     inference_flops: dict | None = None
     estimates: dict | None = None
+    pipeline: dict | None = None
     whole: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     assumptions: list = field(default_factory=lambda: list(ASSUMPTIONS))
@@ -124,16 +130,18 @@ def plan(model, layout: Layout, hardware: Hardware, *, kv_link: str | float = "i
     split = _split_at(src, layout.tp, report)
     if split is None:
         return report  # per-device figures do not exist for this split
-    pp_reason = why_not(split, layout.pp)
+    pp_reason = why_not(split, layout.pp, layout.virtual_stages)
+    report.warnings += _schedule_warnings(split, layout)
     report.reasons += ([pp_reason] if pp_reason else []) + sequence_reasons(seq, layout)
     if pp_reason:
         return report
-    ctx = _Ctx(split, stages(split, layout.pp), layout, hardware, seq,
+    ctx = _Ctx(split, stages(split, layout.pp * layout.virtual_stages), layout, hardware, seq,
                group_placement(layout, hardware.devices_per_node), hardware.intra_node_bytes_per_s,
                hardware.inter_node_bytes_per_s, hardware.peak_flops(layout.dtype), latency_s)
     _fill_memory(report, ctx)
     _fill_step(report, ctx)
     _fill_inference(report, ctx, kv_link, kv_tokens)
+    report.pipeline = pipeline_section(split, ctx.st, layout, seq)
     report.fixes = fixes(split, layout.bytes_per_elem, split_flops.forward_flops_per_token(split, seq))
     report.reasons += memory_reasons(report.memory_per_device, hardware.mem_bytes, layout)
     report.feasible = not report.reasons
@@ -166,8 +174,27 @@ def _split_at(src: ModelSource, tp: int, report: PlanReport) -> SplitModel | Non
         return None
 
 
+def _schedule_warnings(split: SplitModel, layout: Layout) -> list[str]:
+    """Why ``tensorpar train`` (PyTorch's schedule, tensorpar's checks) would refuse the layout's
+    pipeline: a warning, as the plan's figures hold for any pipeline runtime."""
+    if layout.pp == 1 or layout.workload != "train" or len(blocks(split)) < layout.pp * layout.virtual_stages:
+        return []
+    try:
+        check_schedule(pp=layout.pp, blocks=len(blocks(split)), schedule=layout.schedule,
+                       microbatches=layout.num_micro_batches, virtual=layout.virtual_stages)
+    except ValueError as exc:
+        return [f"tensorpar train refuses this pipeline: {exc}"]
+    return []
+
+
 def _stage_ids(pp: int) -> list[int]:
+    """The pipeline ranks planned one by one: the first, the second and the last (the middle
+    ones repeat the second) under a single-stage schedule."""
     return sorted({0, pp - 1} | ({1} if pp > 2 else set()))
+
+
+def _rank_ids(lay: Layout) -> list[int]:
+    return _stage_ids(lay.pp) if lay.virtual_stages == 1 else list(range(lay.pp))
 
 
 def _fill_memory(report: PlanReport, c: _Ctx) -> None:
@@ -175,43 +202,56 @@ def _fill_memory(report: PlanReport, c: _Ctx) -> None:
     recompute = lay.recompute if lay.workload == "train" else "none"
     per_layer = max((max(split_memory.layer_bytes(split, lay, c.seq, r, recompute).values(), default=0.0)
                      for r in range(split.tp)), default=0.0)
-    stage_params = [max(params_per_stage(split, c.st, r)[s] for r in range(split.tp)) for s in range(lay.pp)]
-    per_stage = [_stage_memory(c, s) for s in _stage_ids(lay.pp)]
+    stage_params = [max(params_per_stage(split, c.st, r)[s] for r in range(split.tp)) for s in range(c.st.pp)]
+    acts = [stage_bytes_per_microbatch(split, c.st, lay, c.seq, r) for r in range(split.tp)] \
+        if lay.workload == "train" else None
+    per_stage = [_stage_memory(c, s, acts) for s in _rank_ids(lay)]
     report.params_per_stage = stage_params
-    report.params_per_device = max(stage_params)
+    report.params_per_device = max(_rank_params(c, p, r) for p in _rank_ids(lay) for r in range(split.tp))
     report.params_per_rank = split.params_per_rank()
     report.activation_bytes_per_layer = per_layer
     report.kv_cache_bytes_per_token = split_memory.kv_summary(split, c.st, e)
     report.memory_per_device = max(per_stage, key=lambda d: d["total"])
 
 
-def _stage_memory(c: _Ctx, stage: int) -> dict:
-    """The busiest tp rank of ``stage``: model states, activations, KV cache, their total."""
-    return max((_rank_memory(c, stage, r) for r in range(c.split.tp)), key=lambda d: d["total"])
+def _stage_memory(c: _Ctx, pp_rank: int, acts: list | None) -> dict:
+    """The busiest tp rank of pipeline rank ``pp_rank``: model states, activations, KV cache, their total."""
+    return max((_rank_memory(c, pp_rank, r, acts) for r in range(c.split.tp)), key=lambda d: d["total"])
 
 
-def _rank_memory(c: _Ctx, stage: int, rank: int) -> dict:
+def _held_by_rank(c: _Ctx, pp_rank: int) -> list:
+    """The parameters pipeline rank ``pp_rank`` holds over its stages (a tensor two of them share, once)."""
+    mine = stages_of_rank(pp_rank, c.layout.pp, c.layout.virtual_stages, c.layout.schedule)
+    return [p for p in c.split.params if any(s in c.st.homes[p.name] for s in mine)]
+
+
+def _rank_params(c: _Ctx, pp_rank: int, rank: int) -> int:
+    return sum(p.ranks[rank].numel for p in _held_by_rank(c, pp_rank))
+
+
+def _rank_memory(c: _Ctx, pp_rank: int, rank: int, acts: list | None) -> dict:
     split, lay, e = c.split, c.layout, c.layout.bytes_per_elem
-    mine = held(split, c.st, stage)
+    mine = _held_by_rank(c, pp_rank)
     params = sum(p.ranks[rank].numel for p in mine)
+    stage_ids = stages_of_rank(pp_rank, lay.pp, lay.virtual_stages, lay.schedule)
     if lay.workload == "train":
         states = split_memory.model_states(params, [p.ranks[rank].shape for p in mine], lay)
-        in_flight = min(lay.pp - stage, lay.num_micro_batches)  # 1F1B: stage s holds pp - s
-        acts = split_memory.stage_activation_bytes(split, c.st, stage, lay, c.seq, rank, in_flight)
+        activations = rank_activation_bytes(acts[rank], lay, pp_rank)
         kv_cache = 0.0
     else:
         states = {"weights": params * e, "gradients": 0.0, "optimizer": 0.0}
         layers = split_memory.layer_bytes(split, lay, c.seq, rank, "none")
-        acts = max((layers.get(b, 0.0) for b in layers_of(c.st, stage)), default=0.0)  # one block at a time
-        kv_cache = split_memory.kv_cache_bytes(split, c.st, stage, rank, lay.micro_batch, c.seq, e)
-    out = {**states, "activations": acts, "kv_cache": kv_cache}
+        activations = max((layers.get(b, 0.0) for s in stage_ids for b in layers_of(c.st, s)),
+                          default=0.0)  # one block at a time
+        kv_cache = sum(split_memory.kv_cache_bytes(split, c.st, s, rank, lay.micro_batch, c.seq, e) for s in stage_ids)
+    out = {**states, "activations": activations, "kv_cache": kv_cache}
     out["total"] = sum(out.values())
-    return {**out, "capacity": c.hw.mem_bytes, "stage": stage}
+    return {**out, "capacity": c.hw.mem_bytes, "stage": pp_rank}
 
 
 def _fill_step(report: PlanReport, c: _Ctx) -> None:
     lay = c.layout
-    per_stage = {s: stage_step(c.split, c.st, s, lay, c.seq) for s in _stage_ids(lay.pp)}
+    per_stage = {s: rank_step(c.split, c.st, s, lay, c.seq) for s in _rank_ids(lay)}
     bounds = {s: comm_time_lower_bound(items, c.placement, lay.pp, c.intra, c.inter)
               for s, (items, _) in per_stage.items()}
     worst = max(bounds, key=lambda s: (bounds[s]["total_s"], bytes_sent(per_stage[s][0])))
@@ -233,10 +273,11 @@ def _fill_step(report: PlanReport, c: _Ctx) -> None:
     report.comm_time_lower_bound_s = comm
     report.comm_time_lower_bound_by_link = bounds[worst]
     report.step_time_lower_bound_s = max(compute, comm)
-    bubble = pipeline_bubble_fraction(lay.pp, lay.num_micro_batches)
+    bubble = bubble_fraction(lay.schedule, pp=lay.pp, microbatches=lay.num_micro_batches,
+                             virtual=lay.virtual_stages) if lay.pp > 1 else 0.0
     comm_est = comm_time_estimate(items, c.placement, lay.pp, c.intra, c.inter, c.latency_s)
     report.estimates = {"pipeline_bubble_fraction": bubble, "comm_time_s": comm_est,
-                        "step_time_s": compute * (1 + bubble) + comm_est,
+                        "step_time_s": compute / (1 - bubble) + comm_est,
                         "latency_per_collective_s": c.latency_s, "decode_time_per_token_s": None}
 
 

@@ -4,9 +4,10 @@ papers' closed forms; for the gpt and llama templates the two agree).
 - Activations: each block's :class:`~tensorpar.architecture.split_model.LayerActivations`
   (Korthikanti et al. 2022, Sec. 4.1, tensor by tensor, no FlashAttention) over the micro-batch's
   tokens; full recomputation keeps only each block's input (``rep(h e)``). Training holds the
-  blocks of a stage for ``min(pp - s, m)`` micro-batches under 1F1B (Sec. 4.2.3); the first stage
-  adds the embedding's dropout mask, the last the final norm's and the head's inputs and the
-  float32 logits of the rank's vocabulary shard (Sec. 4.3).
+  blocks of a stage for as many micro-batches as its schedule keeps alive
+  (:mod:`.schedules`; ``min(pp - s, m)`` under 1F1B, Sec. 4.2.3); the first stage adds the
+  embedding's dropout mask, the last the final norm's and the head's inputs and the float32
+  logits of the rank's vocabulary shard (Sec. 4.3), per micro-batch alive.
 - KV cache: each attention layer's K/V elements per token on the rank, for the tokens it keeps
   (a sliding-window layer its last ``W - 1``; Kwon et al. 2023, Sec. 3).
 - Model states: weights, gradients and the optimizer's state per parameter, ZeRO stages over dp
@@ -43,16 +44,17 @@ def head_rows(split: SplitModel, rank: int) -> int:
 
 
 def stage_activation_bytes(split: SplitModel, st: Stages, stage: int, layout: Layout, seq: int, rank: int,
-                           in_flight: int) -> float:
-    """Activations one device of ``stage`` holds at its peak of a training step."""
-    per_layer = layer_bytes(split, layout, seq, rank, layout.recompute)
+                           in_flight: int, per_layer: dict | None = None) -> float:
+    """Activations one device of ``stage`` holds with ``in_flight`` microbatches alive (the last
+    stage's head inputs and logits too: the schedule's loss keeps them until its backward)."""
+    per_layer = layer_bytes(split, layout, seq, rank, layout.recompute) if per_layer is None else per_layer
     tokens, e = seq * layout.micro_batch, layout.bytes_per_elem
-    out = in_flight * sum(per_layer.get(b, 0.0) for b in layers_of(st, stage))
+    out = sum(per_layer.get(b, 0.0) for b in layers_of(st, stage))
     if stage == 0 and split.dropout:  # the embedding's dropout mask, one byte per element
-        out += in_flight * _rep(tokens * split.hidden, layout)
+        out += _rep(tokens * split.hidden, layout)
     if stage == st.pp - 1 and head_rows(split, rank):
         out += _rep(2 * tokens * split.hidden * e, layout) + 4 * tokens * head_rows(split, rank)
-    return out
+    return in_flight * out
 
 
 def kv_elems_per_token(split: SplitModel, st: Stages, stage: int, rank: int) -> int:

@@ -2,8 +2,10 @@
 each stage holds (standard library only).
 
 A block is every module under one index of the model's stack (``model.layers.3``,
-``transformer.h.3``: the first number in a name). ``pp`` stages hold ``L / pp`` consecutive blocks
-each (Narayanan et al. 2021, Sec. 2.2; ``pp`` must divide the block count); what has no index
+``transformer.h.3``: the first number in a name). ``n`` stages hold consecutive blocks, cut as the
+runtime cuts them (:func:`tensorpar.architecture.pipeline.stage_sizes`: ``L // n`` each, the
+remainder one each to the first stages; ``pp x v`` stages under a schedule with ``v`` stages per
+pipeline rank, which ranks hold them is the schedule's); what has no index
 goes to the first stage when the model registers it before its blocks (the embeddings) and to
 the last one otherwise (the final norm, the output head, and what runs outside the model: the
 loss, the next-token exchange). A tensor tied across stages (GPT's input and output embeddings)
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tensorpar.architecture.pipeline import stage_ranges, stage_sizes
 from tensorpar.architecture.split_model import SplitModel
 
 
@@ -39,8 +42,9 @@ def blocks(split: SplitModel) -> list:
 
 @dataclass(frozen=True)
 class Stages:
-    """``pp`` stages of ``split``: ``owner[block]`` its stage, ``before`` the unindexed names the
-    model registers before its first block."""
+    """``pp`` stages of ``split`` (``pp x v`` under a multi-stage schedule: the field counts
+    stages): ``owner[block]`` its stage, ``before`` the unindexed names the model registers
+    before its first block."""
     pp: int
     owner: dict
     before: frozenset
@@ -59,25 +63,26 @@ class Stages:
         return 0 if any(name == n or n.startswith(name + ".") for n in self.before) else self.pp - 1
 
 
-def why_not(split: SplitModel, pp: int) -> str | None:
-    """Why ``split`` cannot run as ``pp`` stages (None: it can)."""
-    n, found = len(blocks(split)), stacks(split)
-    if pp > 1 and len(found) > 1:
+def why_not(split: SplitModel, pp: int, virtual: int = 1) -> str | None:
+    """Why ``split`` cannot run as ``pp x virtual`` stages (None: it can)."""
+    n, found, n_stages = len(blocks(split)), stacks(split), pp * virtual
+    if n_stages > 1 and len(found) > 1:
         return (f"pp ({pp}) needs one stack of blocks to cut; this model has {len(found)} "
                 f"({', '.join(found)}); valid pp sizes: 1")
-    if n == 0 and pp > 1:
+    if n == 0 and n_stages > 1:
         return f"pp ({pp}) needs blocks to cut; this model has none; valid pp sizes: 1"
-    if n and n % pp:
-        valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-        return f"pp ({pp}) must divide layers ({n}); valid pp sizes: {valid}"
+    if n_stages > n:
+        each = f" x {virtual} stages per rank" if virtual > 1 else ""
+        return (f"pp ({pp}){each} makes {n_stages} stages, more than the model's {n} blocks; valid pp sizes: "
+                f"1 to {n // virtual}")
     return None
 
 
 def stages(split: SplitModel, pp: int) -> Stages:
-    """The stages of ``split`` (``why_not`` first: here ``pp`` must divide the blocks)."""
+    """The ``pp`` stages of ``split`` (``why_not`` first: at most one stage per block)."""
     found = blocks(split)
-    per = max(1, len(found) // pp)
-    owner = {b: min(k // per, pp - 1) for k, b in enumerate(found)}
+    ranges = stage_ranges(stage_sizes(len(found), pp)) if found else [(0, 0)] * pp
+    owner = {b: next(s for s, (lo, hi) in enumerate(ranges) if lo <= k < hi) for k, b in enumerate(found)}
     before, seen_block = set(), False
     for p in split.params:
         if block_of(p.name) is not None:

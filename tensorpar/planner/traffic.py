@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tensorpar.architecture.pipeline import rank_of_stage, stages_of_rank
 from tensorpar.architecture.split_model import SplitModel
 
 from .comm import CommItem, dp_collectives, item, pp_p2p_items
@@ -83,9 +84,11 @@ def train_step_items(split: SplitModel) -> list:
 
 def tied_items(split: SplitModel, st: Stages, stage: int, layout: Layout) -> list:
     """The gradient all-reduce between the first and last stage of a tensor tied across them."""
-    tied = tied_across(split, st)
-    if layout.pp == 1 or layout.workload != "train" or not tied or stage not in (0, layout.pp - 1):
+    tied, last = tied_across(split, st), st.pp - 1
+    if layout.pp == 1 or layout.workload != "train" or not tied or stage not in (0, last):
         return []
+    if rank_of_stage(0, layout.pp, layout.schedule) == rank_of_stage(last, layout.pp, layout.schedule):
+        return []  # a V's first and last stage share a rank, and the tensor
     n = sum(p.ranks[0].numel for p in tied) * layout.bytes_per_elem
     return [item("all_reduce", "tied_embedding", "step", "embedding", 2, n,
                  note="keeps the first stage's embedding and the last stage's copy equal")]
@@ -95,12 +98,33 @@ def stage_step(split: SplitModel, st: Stages, stage: int, layout: Layout, seq: i
     """``(items of one step, first block's items per micro-batch)`` on one device of ``stage``."""
     phase = "training" if layout.workload == "train" else "inference"
     tp, first = tp_micro_batch(split, st, stage, layout, seq, phase)
-    name = _stage_name(stage, layout.pp)
+    name = _stage_name(stage, st.pp)
     pp = pp_p2p_items(split.hidden, seq, layout, stage=name, phase=phase)
     items = [replace(i, count=i.count * layout.num_micro_batches) for i in tp + pp]
     if phase == "training":
         items += train_step_items(split)
     return items + dp_step(split, st, stage, layout) + tied_items(split, st, stage, layout), first
+
+
+def rank_step(split: SplitModel, st: Stages, pp_rank: int, layout: Layout, seq: int) -> tuple[list, list]:
+    """:func:`stage_step` over the stages pipeline rank ``pp_rank`` holds (``train_step``'s own
+    collectives once)."""
+    mine = stages_of_rank(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    if len(mine) == 1:
+        return stage_step(split, st, mine[0], layout, seq)
+    steps = [stage_step(split, st, s, layout, seq) for s in mine]
+    once = train_step_items(split) if layout.workload == "train" else []
+    items = [i for found, _ in steps for i in found if i not in once] + once
+    return _merge_comm(items), steps[0][1]
+
+
+def _merge_comm(items: list) -> list:
+    """Items of one kind (op, where, phase, group, payload) merged, counts summed, in first-seen order."""
+    out: dict = {}
+    for i in items:
+        key = (i.op, i.where, i.phase, i.group, i.payload_bytes, i.recomputed)
+        out[key] = i if key not in out else replace(out[key], count=out[key].count + i.count)
+    return list(out.values())
 
 
 def decode_items(split: SplitModel, layout: Layout) -> list:
