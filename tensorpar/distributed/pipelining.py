@@ -19,6 +19,8 @@ group of the two), so both copies take the same optimizer step, as Megatron-LM's
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as tdist
 from torch.distributed.pipelining import PipelineStage
@@ -35,7 +37,33 @@ def schedule_class(name: str):
 
 
 class _RecordedStage(PipelineStage):
-    """A ``PipelineStage`` whose activation and gradient transfers are recorded in the open ledger."""
+    """A ``PipelineStage`` whose activation and gradient transfers are recorded in the open ledger,
+    and which adds up the wall time of its own forward and backward work (``busy_s``: a rank's time
+    in a step less its stages' busy time is what it spent waiting, the pipeline's bubble and the
+    transfers)."""
+
+    busy_s = 0.0
+
+    def forward_one_chunk(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def backward_one_chunk(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def _recorded(self, ops, phase: str):
         led = active_ledger()
@@ -67,6 +95,11 @@ def build_schedule(modules: list, indices: list, n_stages: int, schedule: str, m
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def stages_of(schedule) -> list:
+    """The ``PipelineStage``s a schedule runs on this rank."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 def tied_groups(mesh, holders_first: int, holders_last: int):

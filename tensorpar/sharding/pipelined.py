@@ -14,6 +14,8 @@ it (load the model without pipeline stages).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -39,6 +41,8 @@ class PipelinedModel(nn.Module):
         self._pp_group, self._tied, self._tied_group = pp_group, tied, tied_group
         self._schedules = {}
         self._total = [None]  # the token count of the running step's batch, for the loss of a microbatch
+        # the last step's schedule: its wall time and this rank's stages' forward and backward time in it
+        self.last_step = None
 
     # ---- names: the model's own ------------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -128,7 +132,12 @@ class PipelinedModel(nn.Module):
         valid = int((labels[:, 1:] != -100).sum())
         self._total[0] = max(valid, 1)
         losses = []
-        self._schedule(tuple(input_ids.shape)).step(input_ids, target=labels, losses=losses)
+        schedule = self._schedule(tuple(input_ids.shape))
+        stages = pipelining.stages_of(schedule)
+        busy0, t0 = sum(s.busy_s for s in stages), time.perf_counter()
+        schedule.step(input_ids, target=labels, losses=losses)
+        self.last_step = {"seconds": time.perf_counter() - t0,
+                          "busy_seconds": sum(s.busy_s for s in stages) - busy0}
         if self._tied_group is not None:
             pipelining.sum_tied_grads(self._tied, self._tied_group)
         loss = torch.zeros(1, dtype=torch.float64)
