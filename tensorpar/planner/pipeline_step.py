@@ -1,0 +1,168 @@
+"""A training step on a ``("pp", "dp", "tp")`` mesh, planned for one rank: every collective and
+point-to-point transfer it issues and the model states it holds, as
+``parallelize(model, mesh=..., pipeline=NAME, microbatches=M)`` and ``train_step`` run it
+(standard library only; the same form as :func:`.mesh.mesh_step`, plus ``"pp"``).
+
+Per pipeline rank, over the stages its schedule gives it
+(:func:`tensorpar.architecture.pipeline.stages_of_rank`), each microbatch of ``batch / dp / M``
+sequences:
+
+- ``tp``: each stage's tensor-parallel sites (the loss's on the last stage), as :func:`.mesh.mesh_step`
+  plans them, ``M`` times; ``train_step``'s batch digest and clipping over tp once;
+- ``dp``: each stage's data-parallel engine over that stage's parameters (:func:`.mesh.dp_items`),
+  the step's own items (the loss averaged over dp, FSDP's clipping) once;
+- ``pp``: at every boundary to a stage on another rank, the hidden states
+  ``(b, s / t if sequence parallel else s, h)`` in the model's dtype sent forward and their
+  gradient sent back: ``send`` (the payload) on the sender, ``recv`` (0 bytes) on the receiver;
+  the tied embedding's gradient (this rank's tp shard) all-reduced over the two ranks holding the
+  first and the last stage, when they differ; the loss broadcast (8 bytes) from the last stage's
+  rank; clipping's all-reduce of 8 bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tensorpar.architecture.pipeline import default_virtual, rank_of_stage, schedule_name, stages_of_rank
+from tensorpar.architecture.ring import ring_bytes_sent as _ring
+from tensorpar.architecture.split_model import ModelInventory
+
+from .collectives import ring_bytes_sent
+from .layout import check_size, check_virtual
+from .mesh import dp_items, sequence_sites, state_bytes
+from .predict import PredictedCollective, _merge, _Step
+from .runtime import step_items
+from .schedules import check_schedule
+from .stages import blocks, held, stages, tied_across, why_not
+
+PER_STEP = ("train_step", "clip_grad_norm")  # train_step's own items, once however many stages a rank holds
+
+
+def _layout(inv: ModelInventory, pp: int, dp: int, batch: int, schedule: str, microbatches: int, virtual):
+    """``(schedule, virtual, Stages)``, every argument checked."""
+    for name, v in (("pp", pp), ("dp", dp), ("batch", batch)):
+        check_size(name, v)
+    if batch % dp:
+        raise ValueError(f"batch ({batch}) must divide by dp ({dp}): each dp rank trains on its share")
+    name, v, _ = check_schedule(pp=pp, blocks=len(blocks(inv)), schedule=schedule, microbatches=microbatches,
+                                virtual=virtual, batch=batch // dp)
+    return name, v, stages(inv, pp * v)
+
+
+def _check_rank(name: str, value: int, size: int) -> None:
+    if not isinstance(value, int) or not 0 <= value < size:
+        raise ValueError(f"{name} ({value!r}) must be one of 0..{size - 1}")
+
+
+def pipeline_step(inv: ModelInventory, *, pp: int, dp: int, data_parallel: str | None, sequence_parallel: bool,
+                  batch: int, seq: int, e: int, schedule: str = "1F1B", microbatches: int = 1,
+                  virtual: int | None = None, pp_rank: int = 0, tp_rank: int = 0, clip: bool = True) -> dict:
+    """Every collective of one training step of the rank at ``(pp_rank, dp rank, tp_rank)``
+    (every dp rank issues the same): ``{"tp": [...], "dp": [...], "pp": [...]}``."""
+    name, v, st = _layout(inv, pp, dp, batch, schedule, microbatches, virtual)
+    _check_rank("pp_rank", pp_rank, pp)
+    _check_rank("tp_rank", tp_rank, inv.tp)
+    if sequence_parallel and (inv.tp < 2 or seq % inv.tp):
+        raise ValueError(f"sequence_parallel needs tp >= 2 dividing seq ({seq}); tp is {inv.tp}")
+    mine, b = stages_of_rank(pp_rank, pp, v, name), batch // dp // microbatches
+    sites = sequence_sites(inv) if sequence_parallel else inv.sites
+    tp_items = []
+    for s in mine:
+        own = tuple(x for x in sites if st.of(x.module) == s)
+        found, _ = step_items(replace(inv, sites=own), _Step("training", seq, "sharded", loss=s == st.pp - 1), b, e)
+        tp_items += [replace(i, count=i.count * microbatches) for i in found]
+    tp_items = _merge(tp_items) + _tp_step_items(inv, clip)
+    dp_list = _dp_step(inv, st, mine, dp, data_parallel, e, tp_rank, clip) if data_parallel else []
+    pp_list = _p2p_items(inv, st, mine, pp, name, b, seq, e, microbatches, sequence_parallel) \
+        + _pp_step_items(inv, st, pp, pp_rank, name, e, tp_rank, clip)
+    return {"tp": tp_items, "dp": dp_list, "pp": pp_list}
+
+
+def _tp_step_items(inv: ModelInventory, clip: bool) -> list:
+    if inv.tp == 1:
+        return []
+    out = [PredictedCollective("all_reduce", "train_step", "forward", inv.tp, 16,
+                               (ring_bytes_sent("all_reduce", 16, inv.tp),) * inv.tp, 1,
+                               "the batch's digest compared over tp")]
+    if clip:
+        out.append(PredictedCollective("all_reduce", "clip_grad_norm", "forward", inv.tp, 8,
+                                       (ring_bytes_sent("all_reduce", 8, inv.tp),) * inv.tp, 1,
+                                       "the squared gradient norm summed over tp"))
+    return out
+
+
+def _dp_step(inv, st, mine, dp, data_parallel, e, tp_rank, clip) -> list:
+    out, seen = [], set()
+    for s in mine:
+        for i in dp_items(replace(inv, params=tuple(held(inv, st, s))), dp, data_parallel, e, tp_rank=tp_rank,
+                          clip=clip):
+            if i.where in PER_STEP and (i.where, i.op) in seen:
+                continue
+            seen.add((i.where, i.op))
+            out.append(i)
+    return _merge(out)
+
+
+def _p2p_items(inv, st, mine, pp, name, b, seq, e, m, sequence_parallel) -> list:
+    """Sends and receives of the hidden states and their gradients, ``m`` of each per boundary."""
+    n = b * (seq // inv.tp if sequence_parallel else seq) * inv.hidden * e
+    me = rank_of_stage(mine[0], pp, name)
+
+    def other(s):
+        return 0 <= s < st.pp and rank_of_stage(s, pp, name) != me
+
+    def item(op, what, phase):
+        return PredictedCollective(op, f"pipeline.{what}", phase, pp, n, (n if op == "send" else 0,), m,
+                                   "the hidden states" if what == "activation" else "their gradient")
+
+    out = []
+    for s in mine:
+        out += [item("recv", "activation", "forward")] if other(s - 1) else []
+        out += [item("send", "activation", "forward")] if other(s + 1) else []
+        out += [item("recv", "activation_grad", "backward")] if other(s + 1) else []
+        out += [item("send", "activation_grad", "backward")] if other(s - 1) else []
+    return _merge(out)
+
+
+def _pp_step_items(inv, st, pp, pp_rank, name, e, tp_rank, clip) -> list:
+    """Once per step: the tied tensor's gradient, the loss broadcast, clipping over pp."""
+    first, last = rank_of_stage(0, pp, name), rank_of_stage(st.pp - 1, pp, name)
+    out = []
+    tied = tied_across(inv, st)
+    if tied and first != last and pp_rank in (first, last):
+        n = sum(p.ranks[tp_rank].numel for p in tied) * e
+        out.append(PredictedCollective("all_reduce", "pipeline.tied_embedding", "backward", 2, n,
+                                       (ring_bytes_sent("all_reduce", n, 2),), 1,
+                                       "the tied copies' gradients summed over the first and last stage"))
+    if pp > 1:
+        out.append(PredictedCollective("broadcast", "train_step", "forward", pp, 8,
+                                       (_ring("broadcast", 8, pp, rank=pp_rank, src=last),), 1,
+                                       "the loss from the last stage's rank"))
+        if clip:
+            out.append(PredictedCollective("all_reduce", "clip_grad_norm", "forward", pp, 8,
+                                           (ring_bytes_sent("all_reduce", 8, pp),), 1,
+                                           "the squared gradient norm summed over pp"))
+    return out
+
+
+def pipeline_state_bytes(inv: ModelInventory, *, pp: int, dp: int, data_parallel: str | None, e: int,
+                         schedule: str = "1F1B", virtual: int | None = None, pp_rank: int = 0, tp_rank: int = 0,
+                         dp_rank: int = 0) -> dict:
+    """Parameters, gradients and AdamW moments (bytes) the rank at ``(pp_rank, dp_rank, tp_rank)``
+    holds: :func:`.mesh.state_bytes` over the parameters of its stages (a tensor two of its
+    stages share, once)."""
+    check_size("pp", pp)
+    name = schedule_name(schedule)
+    v = default_virtual(name) if virtual is None else virtual
+    check_virtual(name, v)
+    reason = why_not(inv, pp, v)
+    if reason:
+        raise ValueError(reason)
+    st = stages(inv, pp * v)
+    _check_rank("pp_rank", pp_rank, pp)
+    mine = stages_of_rank(pp_rank, pp, v, name)
+    params = tuple(p for p in inv.params if any(s in st.homes[p.name] for s in mine))
+    return state_bytes(replace(inv, params=params), dp=dp, data_parallel=data_parallel, e=e, tp_rank=tp_rank,
+                       dp_rank=dp_rank)
+
+
+__all__ = ["pipeline_step", "pipeline_state_bytes"]
