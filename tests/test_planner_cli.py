@@ -282,3 +282,49 @@ def test_every_option_plans_a_config(tmp_path):
     assert pp.params_per_device < none.params_per_device and len(pp.params_per_stage) == 2
     assert any(i["op"] == "send" and i["group"] == "pp" for i in pp.comm["per_step"])
     assert [row["tp"] for row in tp_sweep(src, Layout(), hw)] == [1, 2, 4] == src.valid_tp_sizes()
+
+
+def test_pipeline_flags_and_the_stage_table(capsys):
+    rc, out, _ = _run(capsys, "--model", "llama-2-7b", "--pp", "4", "--tp", "2", "--microbatches", "8", "--schedule",
+                      "interleaved1f1b", "--hardware", "h100-sxm", "--seq", "1024", "--json")
+    p = json.loads(out)["pipeline"]
+    assert rc == 0 and p["schedule"] == "Interleaved1F1B" and p["microbatches"] == 8 and p["stages_total"] == 8
+    assert [x["microbatches_alive"] for x in p["ranks"]] == [11, 9, 7, 5]  # (v-1) p + 2 (p-1-r) + 1
+    assert p["bubble_fraction"] == 3 / 19  # (p-1)/(v m + p-1)
+    rc, out, _ = _run(capsys, "--model", "llama-2-7b", "--pp", "2", "--microbatches", "4", "--hardware", "h100-sxm",
+                      "--seq", "1024")
+    words = " ".join(out.split())
+    assert rc == 0 and "pipeline: 1F1B, 1 stage(s) per rank, 4 microbatches" in words and "bubble 20.0%" in words
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "2", "--schedule", "zigzag"], "schedule 'zigzag' does not exist; valid: GPipe, 1F1B"),
+    (["--pp", "2", "--virtual-stages", "2"], "virtual_stages (2) must be 1 under 1F1B"),
+    (["--pp", "2", "--microbatches", "2", "--global-batch", "8"], "--global-batch (8) and --microbatches (2) disagree"),
+    (["--search", "--devices", "4", "--microbatches", "2"], "--microbatches depends on each layout's dp"),
+])
+def test_bad_pipeline_flags_are_one_line_errors(capsys, argv, message):
+    rc, _, err = _run(capsys, "--model", "llama-2-7b", *argv)
+    assert rc == 2 and message in err
+
+
+def test_search_prints_the_train_command_of_its_best_layout(capsys, tmp_path):
+    cfg = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "--model", str(tmp_path), "--search", "--devices", "4", "--global-batch", "8",
+                      "--schedule", "GPipe", "--dtype", "fp32", "--json")
+    d = json.loads(out)
+    b = d["best"]
+    m = 8 // b["dp"]
+    assert rc == 0 and d["command"] == (f"tensorpar train --model {tmp_path} --tp {b['tp']} --pp {b['pp']} "
+                                        f"--dp {b['dp']} --schedule GPipe --microbatches {m} --batch 8 --dtype float32")
+    rc, out, _ = _run(capsys, "--model", "llama-2-7b", "--search", "--devices", "8", "--hardware", "h100-sxm",
+                      "--seq", "1024", "--global-batch", "32")
+    assert rc == 0 and "Run it: tensorpar train --model DIR --tp" in out
+    cfg["num_hidden_layers"] = 1  # one block: pp 1, so the devices go to dp and tp
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "--model", str(tmp_path / "config.json"), "--search", "--devices", "4", "--global-batch",
+                      "8", "--json")
+    d = json.loads(out)
+    assert d["best"]["dp"] > 1 and f"--microbatches {8 // d['best']['dp']} --batch 8" in d["command"]

@@ -24,6 +24,7 @@ from tensorpar import planner
 from tensorpar import plots
 from tensorpar.cli import progress
 from tensorpar.planner import hfconfig
+from tensorpar.architecture.pipeline import SCHEDULES
 from tensorpar.planner.layout import DTYPE_BYTES, OPTIMIZERS, RECOMPUTE, WORKLOADS, ZERO_STAGES
 from tensorpar.planner.search import tp_sweep
 
@@ -45,7 +46,13 @@ def add_parser(subparsers) -> None:
     lay = p.add_argument_group("layout")
     for name, default in (("tp", 1), ("pp", 1), ("dp", 1), ("micro-batch", 1)):
         lay.add_argument(f"--{name}", type=int, default=default, help=f"default {default}")
-    lay.add_argument("--global-batch", type=int, help="sequences per step (default micro-batch x dp)")
+    lay.add_argument("--global-batch", type=int, help="sequences per step (default micro-batch x dp x microbatches)")
+    lay.add_argument("--schedule", default="1F1B", help=f"pipeline schedule, PyTorch's: {', '.join(SCHEDULES)} "
+                     "(default 1F1B)")
+    lay.add_argument("--microbatches", type=int, help="microbatches per step and dp rank (sets the global batch to "
+                     "micro-batch x dp x M; default 1, or global batch / (micro-batch x dp))")
+    lay.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (default 1; 2 for the "
+                     "interleaved and V schedules)")
     lay.add_argument("--sequence-parallel", action="store_true")
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none")
     lay.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bf16")
@@ -167,7 +174,22 @@ def build_hardware(args) -> planner.Hardware:
 
 def layout_options(args) -> dict:
     return {"sequence_parallel": args.sequence_parallel, "recompute": args.recompute, "dtype": args.dtype,
-            "zero_stage": args.zero_stage, "optimizer": args.optimizer}
+            "zero_stage": args.zero_stage, "optimizer": args.optimizer, "schedule": args.schedule,
+            "virtual_stages": args.virtual_stages}
+
+
+def global_batch(args, dp: int) -> int | None:
+    """``--global-batch``, or micro-batch x dp x ``--microbatches``; both given must agree."""
+    m = args.microbatches
+    if m is None:
+        return args.global_batch
+    if isinstance(m, bool) or m < 1:
+        raise ValueError(f"--microbatches ({m}) must be a positive integer")
+    implied = args.micro_batch * dp * m
+    if args.global_batch is not None and args.global_batch != implied:
+        raise ValueError(f"--global-batch ({args.global_batch}) and --microbatches ({m}) disagree: micro-batch x dp x "
+                         f"microbatches = {args.micro_batch} x {dp} x {m} = {implied}; give one of them")
+    return implied
 
 
 def kv_link(value: str):
@@ -193,6 +215,9 @@ def main(args) -> int:
     hardware = build_hardware(args)
     if args.search and args.devices is None:
         raise ValueError("--search needs --devices N (the number of devices to lay out)")
+    if args.search and args.microbatches is not None:
+        raise ValueError("--microbatches depends on each layout's dp; with --search give --global-batch (the "
+                         "same for every layout)")
     layout = None if args.search else _layout(args)
     model = model_source(args)
     with progress.Phases(quiet=args.json) as phase:
@@ -205,6 +230,8 @@ def main(args) -> int:
                                 latency_s=latency_s(args))
     if args.plot:
         _plot(args, model, hardware, result)
+    if isinstance(result, planner.SearchResult):
+        result.command = train_command(args, result.best)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -215,12 +242,36 @@ def main(args) -> int:
 def _layout(args) -> planner.Layout:
     """The layout asked for, checked against ``--devices`` when given."""
     layout = planner.Layout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
-                      global_batch=args.global_batch, workload=args.workload, **layout_options(args))
+                            global_batch=global_batch(args, args.dp), workload=args.workload, **layout_options(args))
     if args.devices is not None and args.devices != layout.devices:
         raise ValueError(f"tp x pp x dp ({args.tp} x {args.pp} x {args.dp} = {layout.devices}) must equal "
                          f"--devices ({args.devices}); valid: layouts whose product is {args.devices} "
                          "(or use --search)")
     return layout
+
+
+TRAIN_DTYPES = {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16"}  # tensorpar train --dtype
+
+
+def train_command(args, best: dict | None) -> str | None:
+    """The ``tensorpar train`` command line that runs the search's best layout (None without one).
+    ``train --model`` takes a checkpoint directory: a preset or shapes leave ``DIR`` to fill in."""
+    if best is None or args.workload != "train":
+        return None
+    path = config_file(args.model)
+    model = str(path.parent) if path is not None else "DIR"
+    gb = args.global_batch or args.micro_batch * args.devices
+    m = gb // (args.micro_batch * best["dp"])
+    words = ["tensorpar", "train", "--model", model, "--tp", best["tp"], "--pp", best["pp"], "--dp", best["dp"],
+             "--schedule", planner.Layout(schedule=args.schedule).schedule, "--microbatches", m, "--batch", gb]
+    if args.virtual_stages is not None:
+        words += ["--virtual-stages", args.virtual_stages]
+    if args.seq is not None:
+        words += ["--seq", args.seq]
+    words += ["--zero", 3] if args.zero_stage == 3 else []
+    words += ["--sequence-parallel"] if args.sequence_parallel else []
+    words += ["--dtype", TRAIN_DTYPES[args.dtype]] if args.dtype in TRAIN_DTYPES else []
+    return " ".join(map(str, words))
 
 
 def _feasible(result) -> bool:
@@ -298,6 +349,8 @@ def _render_plan(console, r: planner.PlanReport) -> None:
     console.print(_memory_table(r.memory_per_device))
     console.print(_memory_bar(r.memory_per_device))
     console.print(_comm_table(r))
+    if lay["pp"] > 1:
+        console.print(_pipeline_table(r.pipeline))
     console.print(_time_table(r))
     for note in r.notes:
         console.print(f"- {note}")
@@ -383,6 +436,23 @@ def _comm_table(r):
     return t
 
 
+def _pipeline_table(p):
+    """One row per stage: its rank, blocks, parameters, activations and the bytes at its boundary."""
+    alive = {x["rank"]: x for x in p["ranks"]}
+    t = _table(f"pipeline: {p['schedule']}, {p['virtual_stages']} stage(s) per rank, {p['microbatches']} microbatches "
+               f"of {p['microbatch_size']}; bubble {p['bubble_fraction']:.1%} of the step ({p['bubble_source']})",
+               "stage", "rank", "blocks", "params/rank", "activations/microbatch", "alive on rank",
+               "in flight on rank", "p2p/microbatch fwd + bwd")
+    for s in p["stages"]:
+        rank, sent = alive[s["rank"]], s["p2p_bytes_per_microbatch"]
+        per_mb = s["activation_bytes_per_microbatch"]
+        t.add_row(str(s["stage"]), str(s["rank"]), f"{s['blocks'][0]}-{s['blocks'][1] - 1}", f"{s['params_per_rank']:,}",
+                  _bytes(per_mb) if per_mb is not None else "", str(rank["microbatches_alive"] or ""),
+                  _bytes(rank["activation_bytes_in_flight"]) if rank["activation_bytes_in_flight"] is not None else "",
+                  "local" if s["next_stage_on_same_rank"] else _bytes(sent["forward"] + sent["backward"]))
+    return t
+
+
 def _time_table(r):
     title = "time: lower bounds (no system beats them) and estimates (not bounds)"
     if r.layout["workload"] != "train":
@@ -421,6 +491,8 @@ def _render_search(console, s: planner.SearchResult) -> None:
     console.print(t)
     for line in s.explanation:
         console.print(f"- {line}")
+    if s.command:
+        console.print(f"Run it: {s.command}", soft_wrap=True)
 
 
 def why_not(reasons: list[str], width: int = 60) -> str:

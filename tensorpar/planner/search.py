@@ -28,6 +28,7 @@ class SearchResult:
     candidates: list = field(default_factory=list)
     best: dict | None = None
     explanation: list = field(default_factory=list)
+    command: str | None = None  # the `tensorpar train` command of the best layout (set by the command line)
 
     def to_dict(self) -> dict:
         return asdict(self)
