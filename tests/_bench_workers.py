@@ -12,3 +12,12 @@ def floor_worker(tokens, hidden):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
     grad = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
     return floor_max_diff(dense, TensorparMLP(dense), x, grad)
+
+
+def train_and_pipeline_worker(path, ckpt_root, train_args, pipeline_args):
+    """The train suite's and the pipeline suite's workers in one launch (one spawn for both smokes):
+    ``{"train": rows, "pipeline": rows}``."""
+    from tensorpar.bench.pipeline import pipeline_worker
+    from tensorpar.bench.train import train_worker
+
+    return {"train": train_worker(path, ckpt_root, *train_args), "pipeline": pipeline_worker(path, *pipeline_args)}

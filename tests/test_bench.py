@@ -156,12 +156,33 @@ def test_train_guard_refuses_a_variant_that_computes_another_step():
         guard(wrong, ids)
 
 
-@pytest.mark.multirank
-def test_train_bench_times_every_variant_after_the_losses_agree():
-    from tensorpar.bench.summary import train_table
-    from tensorpar.bench.train import CHECKPOINTS, QUICK, VARIANTS, run_train_bench
+@pytest.fixture(scope="module")
+def train_and_pipeline_rows(tmp_path_factory):
+    """The train and pipeline suites' ``--quick`` runs at 3 rounds, in one launch of 2 ranks (one
+    checkpoint: both suites' quick Llama is the same)."""
+    import torch
 
-    rows = run_train_bench(3, **QUICK)
+    from tensorpar import distributed as dist
+    from tensorpar.bench import pipeline, train
+    from tensorpar.models.tiny import make_tiny_checkpoint
+    from tests import _bench_workers as W
+
+    assert pipeline.QUICK["sizes"] == train.QUICK["sizes"]
+    tmp = tmp_path_factory.mktemp("bench-train-pipeline")
+    path = make_tiny_checkpoint(tmp / "llama", "llama", dtype=torch.float32, **train.QUICK["sizes"])
+    (tmp / "checkpoints").mkdir()
+    q, p = train.QUICK, pipeline.QUICK
+    return dist.launch(W.train_and_pipeline_worker, 2, str(path), str(tmp / "checkpoints"),
+                       (3, q["batch"], q["seq"], q["saves"]), (3, p["batch"], p["seq"], pipeline.MICROBATCHES),
+                       backend="auto", timeout=600)[0]
+
+
+@pytest.mark.multirank
+def test_train_bench_times_every_variant_after_the_losses_agree(train_and_pipeline_rows):
+    from tensorpar.bench.summary import train_table
+    from tensorpar.bench.train import CHECKPOINTS, QUICK, VARIANTS
+
+    rows = train_and_pipeline_rows["train"]
     steps = [r for r in rows if r["kind"] == "step"]
     ckpts = [r for r in rows if r["kind"] == "checkpoint"]
     assert [r["variant"] for r in steps] == list(VARIANTS)
@@ -183,3 +204,77 @@ def test_train_bench_times_every_variant_after_the_losses_agree():
         assert all(0.9 < x < 1.1 for x in r["written_vs_shard"]), r["written_vs_shard"]
     table = train_table(rows)
     assert table.count("\n") == 2 + len(steps) + 1 + 2 + len(ckpts)
+
+
+@pytest.mark.multirank
+def test_pipeline_bench_times_both_pipelines_after_the_losses_agree(train_and_pipeline_rows):
+    """The quick pipeline suite: both pipelines pass the guard, every round is timed, the ledger's
+    bytes equal the planner's (microbatch 1 x 32 tokens x hidden 128 x 4 bytes, 4 microbatches,
+    forward from stage 0, backward from stage 1), a bubble per rank beside the formula's 1/5."""
+    from tensorpar.bench.pipeline import VARIANTS, pipeline_page, pipeline_table
+
+    rows = train_and_pipeline_rows["pipeline"]
+    steps = [r for r in rows if r["kind"] == "step"]
+    stages = [r for r in rows if r["kind"] == "stage"]
+    assert [r["variant"] for r in steps] == list(VARIANTS) and [r["rank"] for r in stages] == [0, 1]
+    dense = steps[-1]["guard"]["loss"]
+    for r in steps:
+        assert r["guard"]["loss"] == pytest.approx(dense, rel=1e-5) and len(r["samples_s"]) == r["rounds"] == 3
+        if r["variant"] != "dense_2t":
+            assert r["guard"]["step2_loss_rel_err"] <= 1e-5 and r["guard"]["grad_norm_rel_err"] <= 1e-4
+    by = {r["variant"]: r for r in steps}
+    per_round = sorted(a / b for a, b in zip(by["tensorpar_pp2"]["samples_s"], by["torch_pp2"]["samples_s"]))
+    assert by["tensorpar_pp2"]["vs_baseline"] == pytest.approx(per_round[1], rel=1e-12)
+    hidden = 4 * 32 * 128  # (1, 32, 128) float32 per microbatch
+    assert [r["sent_by_phase"] for r in stages] == [{"forward": 4 * hidden, "backward": 0},
+                                                    {"forward": 0, "backward": 4 * hidden}]
+    assert all(r["sent_vs_planner"] == 1.0 and r["sends"] == r["recvs"] == 4 for r in stages)
+    for r in stages:
+        assert r["bubble_formula"] == pytest.approx(1 / 5) and len(r["bubble_samples"]) == 3
+        assert 0 < r["bubble"] < 1 and 0 < r["busy_s"] < r["schedule_s"]
+    table = pipeline_table(rows)
+    assert table.count("\n") == 2 + len(steps) + 1 + 2 + len(stages)
+    assert pipeline_page(rows, "tensorpar bench --suite pipeline --quick").count("`tensorpar bench --suite pipeline") == 1
+
+
+def test_pipeline_bench_arithmetic_on_made_up_figures():
+    """The bubble of each step, the ledger's sends by phase and the planner's per-rank figure, on
+    made-up numbers (no ranks)."""
+    from tensorpar.bench.pipeline import bubble_fractions, planner_sends, sent_by_phase, stage_rows
+
+    assert bubble_fractions([{"seconds": 2.0, "busy_seconds": 1.5}, {"seconds": 1.0, "busy_seconds": 0.8}]) == \
+        pytest.approx([0.25, 0.2])
+    records = [{"op": "send", "phase": "forward", "payload_bytes": 100}, {"op": "recv", "phase": "backward",
+               "payload_bytes": 100}, {"op": "send", "phase": "forward", "payload_bytes": 100},
+               {"op": "all_reduce", "phase": "forward", "payload_bytes": 8}, {"op": "send", "phase": "backward",
+                                                                               "payload_bytes": 7}]
+    assert sent_by_phase(records) == {"forward": 200, "backward": 7}  # receives and collectives left out
+    # 3 stages on 3 ranks, the boundaries 10 and 20 bytes each way: the middle rank sends 20 forward
+    # and 10 back per microbatch; the last stage's own entry (0) is not a boundary
+    p2p = [{"forward": 10, "backward": 10}, {"forward": 20, "backward": 20}, {"forward": 0, "backward": 0}]
+    section = {"microbatches": 4, "bubble_fraction": 2 / 6, "bubble_source": "(p-1)/(m+p-1)",
+               "stages": [{"stage": s, "rank": s, "p2p_bytes_per_microbatch": p} for s, p in enumerate(p2p)]}
+    assert [planner_sends(section, r) for r in range(3)] == [
+        {"forward": 40, "backward": 0}, {"forward": 80, "backward": 40}, {"forward": 0, "backward": 80}]
+    measured = [{"sent": {"forward": 40, "backward": 0}, "sends": 4, "recvs": 4, "bubble_samples": [0.5, 0.1, 0.3],
+                 "busy_samples_s": [1.0, 2.0, 3.0], "step_samples_s": [2.0, 2.5, 4.0]}]
+    row = stage_rows(measured, section)[0]
+    assert row["sent_vs_planner"] == 1.0 and row["bubble"] == 0.3 and row["busy_s"] == 2.0 and row["stages"] == [0]
+    assert row["bubble_formula"] == pytest.approx(1 / 3)
+
+
+def test_llama_stages_cut_by_hand_compose_to_the_dense_model():
+    """torchtitan's manual split, in one process: each stage holds only its blocks (the embedding on
+    the first, norm and head on the last), and stage 1 after stage 0 gives the dense model's logits."""
+    import torch
+
+    from tensorpar.bench.pipeline import LlamaStage
+    from tensorpar.models.tiny import make_tiny_model
+
+    dense = make_tiny_model("llama", seed=3, dtype=torch.float64, num_hidden_layers=3)
+    first, last = LlamaStage(dense, 0, 2), LlamaStage(dense, 1, 2)
+    assert (len(first.layers), len(last.layers)) == (2, 1)  # the remainder to the first stage, as tensorpar cuts
+    assert first.norm is None and first.lm_head is None and last.embed_tokens is None
+    ids = torch.randint(0, dense.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = dense(input_ids=ids, use_cache=False).logits
+    assert (last(first(ids)) - want).abs().max().item() <= 1e-12

@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorpar.bench import summary
 from tensorpar.cli.progress import Phases
 
-SUITES = ("mlp", "models", "decode", "train", "serve")
+SUITES = ("mlp", "models", "decode", "train", "pipeline", "serve")
 
 
 def add_parser(sub) -> None:
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                    help="a smoke run of the chosen suites: the MLP suite at its two smallest sizes, the models "
                    "suite's three architectures at ~0.6M parameters and 2x32 tokens, the decode suite's Llama at "
                    "~0.6M parameters, batches 1 and 2, 8 tokens, the train suite's Llama at ~0.6M parameters, "
-                   "4x32 tokens, 2 saves and loads, the serve suite's Llama at hidden 128 and 2 layers, loads of 1 and 8 streams, "
+                   "4x32 tokens, 2 saves and loads, the pipeline suite's Llama at ~0.6M parameters, 4x32 tokens, the serve suite's Llama at hidden 128 and 2 layers, loads of 1 and 8 streams, "
                    "4-8 tokens a request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
@@ -95,6 +95,15 @@ def _run(args, suites, out, phase):
         results["train"], tables["train"] = rows, summary.train_table(rows)
         (out / "train.md").write_text(tables["train"])
         files.append(out / "train.md")
+    if "pipeline" in suites:
+        from tensorpar.bench.pipeline import QUICK as PIPELINE_QUICK
+        from tensorpar.bench.pipeline import pipeline_page, pipeline_table, run_pipeline_bench
+
+        with phase("pipeline suite: a training step at pp 2 (1F1B) against PyTorch's pipelining; bytes and bubble"):
+            rows = run_pipeline_bench(args.repeats, **(PIPELINE_QUICK if args.quick else {}))
+        results["pipeline"], tables["pipeline"] = rows, pipeline_table(rows)
+        (out / "pipeline.md").write_text(pipeline_page(rows, _command("pipeline", args)))
+        files.append(out / "pipeline.md")
     if "serve" in suites:
         from tensorpar.bench.serve import QUICK as SERVE_QUICK
         from tensorpar.bench.serve import run_serve_bench, serve_page, serve_table
@@ -103,9 +112,13 @@ def _run(args, suites, out, phase):
                    f"{args.repeats} interleaved rounds"):
             rows = run_serve_bench(rounds=args.repeats, **(SERVE_QUICK if args.quick else {}))
         results["serve"], tables["serve"] = rows, serve_table(rows)
-        command = "tensorpar bench --suite serve" + (" --quick" if args.quick else "") + (
-            f" --repeats {args.repeats}" if args.repeats != 11 else "")
-        (out / "serve.md").write_text(serve_page(rows, command))
+        (out / "serve.md").write_text(serve_page(rows, _command("serve", args)))
         files.append(out / "serve.md")
     files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
+
+
+def _command(suite: str, args) -> str:
+    """The command that reproduces one suite's figures (for its page)."""
+    return f"tensorpar bench --suite {suite}" + (" --quick" if args.quick else "") + (
+        f" --repeats {args.repeats}" if args.repeats != 11 else "")
