@@ -16,7 +16,8 @@ Not counted, each of which only makes real systems slower: elementwise work, ker
 collective latency, pipeline bubbles (zero-bubble schedules can remove them, Qi et al. 2023),
 load imbalance, and the embedding lookup. Estimates (``*_estimate_s``) add those that a simple
 model can name: ring bytes instead of unavoidable ones, a fixed latency per collective, no
-overlap, the 1F1B bubble ``(p - 1)/m`` (Narayanan et al. 2021, Sec. 2.2). They are not bounds.
+overlap, the schedule's bubble (:mod:`.schedules`; 1F1B's is ``(p - 1)/(m + p - 1)`` of the step,
+Narayanan et al. 2021, Sec. 2.2). They are not bounds.
 """
 from __future__ import annotations
 
@@ -83,11 +84,6 @@ def comm_time_estimate(items: list[CommItem], placement: dict, pp: int, intra: f
         total += it.count * ring_time_estimate(it.op, it.payload_bytes, it.group_size, bytes_per_s=bw,
                                                latency_s=latency_s)
     return total
-
-
-def pipeline_bubble_fraction(pp: int, num_micro_batches: int) -> float:
-    """1F1B bubble time over ideal time, ``(p - 1) / m`` (Narayanan et al. 2021, Sec. 2.2.1)."""
-    return (pp - 1) / num_micro_batches
 
 
 def decode_bytes_read_per_device(weight_bytes: float, kv_bytes: float) -> float:
