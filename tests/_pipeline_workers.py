@@ -1,5 +1,6 @@
 """Workers for tests/test_pipeline.py (spawned ranks import them)."""
 import copy
+import functools
 import warnings
 
 import torch
@@ -19,6 +20,15 @@ MODELS = {
     "gpt2": ("gpt2", {"num_hidden_layers": 4}),      # tied wte/lm_head, learned positions (wpe)
     "mixtral": ("mixtral", {"num_hidden_layers": 2}),  # mixture of experts
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(*shape):
+    """One DeviceMesh per shape for the whole launch: each new mesh makes process groups, whose
+    gloo halves connect through the launch's file store (slower as it fills)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    names = ("pp", "dp", "tp") if len(shape) == 3 else ("dp", "tp")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _dense(name):
@@ -50,29 +60,28 @@ def _reference(dense, steps) -> dict:
             "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}}
 
 
-def _grad_err(model, ref_grads, full) -> float:
+def _grad_err(model, ref_grads) -> float:
     """The largest relative difference of this rank's gradient of every parameter it holds from its
-    piece of the reference's (``full``: the parameter's whole value, a DTensor's full_tensor())."""
-    worst = 0.0
-    for name, p in model.named_parameters():
-        mine = full(p.grad)
-        expected = p.tp_spec.apply(ref_grads[name]) if p.tp_spec.is_shard else ref_grads[name]
-        scale = max(float(expected.abs().max()), 1e-30)
-        worst = max(worst, float((mine - expected).abs().max()) / scale)
-    return worst
+    piece of the reference's."""
+    return max(_err(p.grad, p, ref_grads[name]) for name, p in model.named_parameters())
 
 
-def _param_err(model, ref_params, full) -> float:
-    worst = 0.0
-    for name, p in model.named_parameters():
-        mine = full(p.detach())
-        expected = p.tp_spec.apply(ref_params[name]) if p.tp_spec.is_shard else ref_params[name]
-        worst = max(worst, float((mine - expected).abs().max()) / max(float(expected.abs().max()), 1e-30))
-    return worst
+def _param_err(model, ref_params) -> float:
+    return max(_err(p.detach(), p, ref_params[name]) for name, p in model.named_parameters())
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def _err(mine, p, dense) -> float:
+    """``mine`` (this rank's tensor: a DTensor's local part) against its piece of ``dense``: the tp
+    shard (``p.tp_spec``), and under FSDP2 this dp rank's rows of it (``torch.chunk``'s split of dim
+    0). No collective: the ranks of a pipeline do not wait for each other here."""
+    expected = p.tp_spec.apply(dense) if p.tp_spec.is_shard else dense
+    if hasattr(mine, "to_local"):
+        if any(getattr(pl, "dim", None) == 0 for pl in mine.placements):  # FSDP2: Shard(0) over dp
+            per = -(-expected.shape[0] // mine.device_mesh.size())
+            start = mine.device_mesh.get_local_rank() * per
+            expected = expected[start:start + per]
+        mine = mine.to_local()
+    return float((mine - expected).abs().max()) / max(float(expected.abs().max()), 1e-30)
 
 
 def pipeline_worker(layouts):
@@ -81,7 +90,6 @@ def pipeline_worker(layouts):
     reference in float64: the loss train_step returns, the clipped norm, every parameter's first
     gradient and every trained parameter."""
     warnings.filterwarnings("ignore")
-    from torch.distributed.device_mesh import init_device_mesh
     out, refs = {}, {}
     for layout in layouts:
         pp, dp, tp, schedule, mb, name, opts = (*layout, {})[:7]
@@ -90,7 +98,7 @@ def pipeline_worker(layouts):
             steps = _batches(dense.config.vocab_size)
             refs[name] = (dense, steps, _reference(dense, steps))
         dense, steps, ref = refs[name]
-        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = _mesh(pp, dp, tp)
         model = parallelize(copy.deepcopy(dense).train(), mesh=mesh, pipeline=schedule, microbatches=mb,
                             data_parallel=opts.get("dp"), sequence_parallel=opts.get("sp", False),
                             virtual_stages=opts.get("virtual"), stage_blocks=opts.get("blocks"))
@@ -103,12 +111,12 @@ def pipeline_worker(layouts):
             losses.append(res["loss"])
             norms.append(res["grad_norm"])
             if grad_err is None:
-                grad_err = _grad_err(model, ref["grads"], _full)
+                grad_err = _grad_err(model, ref["grads"])
         out[str(layout)] = {
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
             "grad_err": grad_err,
-            "param_err": _param_err(model, ref["params"], _full),
+            "param_err": _param_err(model, ref["params"]),
             "clipped_steps": sum(n > MAX_NORM for n in ref["norms"]),
             "stages": model.stage_indices, "stage_blocks": model.tp_report.stage_blocks,
             "names": sorted(n for n, _ in model.named_parameters()),
@@ -124,10 +132,8 @@ def refusal_worker() -> dict:
     """What a pipelined parallelize refuses, before any collective and with the model untouched;
     what train_step and generate refuse on a pipelined model."""
     warnings.filterwarnings("ignore")
-    from torch.distributed.device_mesh import init_device_mesh
     from tensorpar.models.generation import generate
-    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
-    flat = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh, flat = _mesh(2, 1, 2), _mesh(2, 2)
     out = {}
     cases = {"schedule": ("llama", dict(mesh=mesh, pipeline="Bogus")),
              "too_many_stages": ("llama", dict(mesh=mesh, pipeline="Interleaved1F1B", virtual_stages=4)),
@@ -173,13 +179,12 @@ def _run(model, opt, steps, rows=slice(None)) -> list:
 
 def _layout_model(dense, layout):
     """``layout``: "pp2xtp2", "pp4", "tp4" or "dense", on the 4 ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
     model = copy.deepcopy(dense).train()
     if layout == "pp2xtp2":
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = _mesh(2, 1, 2)
         return parallelize(model, mesh=mesh, pipeline="1F1B", microbatches=2)
     if layout == "pp4":
-        mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = _mesh(4, 1, 1)
         return parallelize(model, mesh=mesh, pipeline="GPipe", microbatches=4)
     if layout == "tp4":
         return parallelize(model)
