@@ -6,6 +6,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
+from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.models.tiny import make_tiny_model
 from tensorpar.models.training import causal_lm_loss, train_step
@@ -17,6 +18,7 @@ LR, DECAY, MAX_NORM = 3e-3, 0.1, 0.5  # the tiny models' gradient norms are ~1-3
 MODELS = {
     "llama": ("llama", {"num_hidden_layers": 4}),
     "llama3": ("llama", {"num_hidden_layers": 3}),   # uneven: 2 + 1 blocks at pp 2
+    "llama5": ("llama", {"num_hidden_layers": 5}),   # 5 blocks: 2 virtual stages per rank at pp 2 do not divide them
     "gpt2": ("gpt2", {"num_hidden_layers": 4}),      # tied wte/lm_head, learned positions (wpe)
     "mixtral": ("mixtral", {"num_hidden_layers": 2}),  # mixture of experts
 }
@@ -137,8 +139,10 @@ def refusal_worker() -> dict:
     out = {}
     cases = {"schedule": ("llama", dict(mesh=mesh, pipeline="Bogus")),
              "too_many_stages": ("llama", dict(mesh=mesh, pipeline="Interleaved1F1B", virtual_stages=4)),
-             "virtual_not_dividing": ("llama3", dict(mesh=mesh, pipeline="LoopedBFS", virtual_stages=1)),
-             "bad_blocks": ("llama", dict(mesh=mesh, pipeline="1F1B", stage_blocks=(3, 2))),
+             "virtual_not_dividing": ("llama5", dict(mesh=mesh, pipeline="Interleaved1F1B", virtual_stages=2,
+                                                     microbatches=2)),
+             "torch_limit": ("llama", dict(mesh=mesh, pipeline="1F1B", microbatches=1)),
+             "bad_blocks": ("llama", dict(mesh=mesh, pipeline="1F1B", microbatches=2, stage_blocks=(3, 2))),
              "pp_without_schedule": ("llama", dict(mesh=mesh)),
              "schedule_without_pp": ("llama", dict(mesh=flat, pipeline="1F1B", data_parallel="ddp")),
              "schedule_without_mesh": ("llama", dict(pipeline="1F1B")),
@@ -164,10 +168,10 @@ def refusal_worker() -> dict:
     return out
 
 
-def all_worker(layouts, folder) -> dict:
+def all_worker(layouts, folder, ledger_layouts) -> dict:
     """Everything test_pipeline.py asks of 4 ranks, in one launch."""
     return {"refusals": refusal_worker(), "layouts": pipeline_worker(layouts),
-            "checkpoints": checkpoint_worker(folder)}
+            "checkpoints": checkpoint_worker(folder), "ledger": ledger_worker(ledger_layouts)}
 
 
 CKPT_STEPS = 6  # 3 steps, a checkpoint, 3 more in another layout
@@ -225,4 +229,48 @@ def checkpoint_worker(folder: str) -> dict:
     exported = AutoModelForCausalLM.from_pretrained(Path(folder) / "export", torch_dtype=torch.float64)
     out["export"] = max(float((p.detach() - ref_after3[n]).abs().max()) / float(ref_after3[n].abs().max())
                         for n, p in exported.named_parameters())
+    return out
+
+
+LEDGER_BATCH = 4
+
+
+def _held(model, opt) -> dict:
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    params = list(model.parameters())
+    return {"params": sum(local(p).numel() * p.element_size() for p in params),
+            "grads": sum(local(p.grad).numel() * p.element_size() for p in params if p.grad is not None),
+            "optimizer": sum(local(v).numel() * v.element_size() for s in opt.state.values()
+                             for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))}
+
+
+def ledger_worker(layouts) -> dict:
+    """For each ``(pp, dp, tp, schedule, microbatches, model[, options])``: two training steps, then
+    a third under the ledger; its records by mesh dimension (the tied embedding's group counted as
+    pp) and the bytes this rank holds."""
+    warnings.filterwarnings("ignore")
+    out = {}
+    for layout in layouts:
+        pp, dp, tp, schedule, mb, name, opts = (*layout, {})[:7]
+        mesh = _mesh(pp, dp, tp)
+        model = parallelize(copy.deepcopy(_dense(name)).train(), mesh=mesh, pipeline=schedule, microbatches=mb,
+                            data_parallel=opts.get("dp"), sequence_parallel=opts.get("sp", False),
+                            virtual_stages=opts.get("virtual"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        d = mesh["dp"].get_local_rank()
+        ids = _batches(model.config.vocab_size)[0][:LEDGER_BATCH]
+        rows = ids[d * LEDGER_BATCH // dp:(d + 1) * LEDGER_BATCH // dp]
+        for _ in range(2):
+            train_step(model, opt, rows, max_norm=1.0)
+        with dist.ledger(model) as led:
+            train_step(model, opt, rows, max_norm=1.0)
+        names = {mesh[k].get_group().group_name: k for k in ("tp", "dp", "pp")}
+        if model._tied_group is not None:
+            names[model._tied_group.group_name] = "pp"
+        out[str(layout)] = {
+            "records": [(names.get(r.group, r.group), r.op, r.module, r.phase, r.payload_bytes, r.bytes_sent)
+                        for r in led.records],
+            "held": _held(model, opt), "pp_rank": mesh["pp"].get_local_rank(), "dp_rank": d,
+            "tp_rank": mesh["tp"].get_local_rank(), "rank": tdist.get_rank()}
     return out

@@ -11,9 +11,13 @@ import atexit
 import functools
 import tempfile
 
+from collections import Counter
+
 import pytest
 
 from tensorpar import distributed as dist
+from tensorpar.planner.pipeline_step import pipeline_state_bytes, pipeline_step
+from tensorpar.planner.runtime import generic_name
 from tests import _pipeline_workers as W
 
 TOL = 1e-12
@@ -29,6 +33,21 @@ LAYOUTS = [
     (2, 1, 2, "ZBVZeroBubble", 2, "llama"),                           # zero bubble, a V of 2 stages per rank
     (2, 2, 1, "1F1B", 2, "llama", {"dp": "fsdp"}),                    # pp 2 x dp 2 (FSDP2)
     (2, 1, 2, "1F1B", 2, "llama", {"blocks": (3, 1)}),                # uneven by request
+    (2, 2, 1, "1F1B", 2, "gpt2", {"dp": "fsdp"}),                     # tied copies made DTensors by FSDP
+    (2, 2, 1, "ZBVZeroBubble", 2, "gpt2", {"dp": "ddp"}),             # both tied copies on one rank, each its own
+]
+
+
+# The planner against the ledger: each layout's third step on every rank (float64 tiny models).
+LEDGER_LAYOUTS = [
+    (2, 1, 2, "1F1B", 2, "llama"),
+    (2, 1, 2, "1F1B", 2, "llama", {"sp": True}),
+    (2, 1, 2, "GPipe", 2, "gpt2"),                       # the tied embedding's all-reduce
+    (2, 2, 1, "1F1B", 2, "llama", {"dp": "ddp"}),
+    (2, 2, 1, "1F1B", 2, "llama", {"dp": "fsdp"}),
+    (2, 1, 2, "Interleaved1F1B", 2, "llama", {"virtual": 2}),
+    (2, 2, 1, "ZBVZeroBubble", 2, "gpt2", {"dp": "ddp"}),  # a V: the tied pieces on one rank, the tip local
+    (4, 1, 1, "1F1B", 4, "llama"),
 ]
 
 
@@ -36,7 +55,7 @@ LAYOUTS = [
 def _results():
     tmp = tempfile.TemporaryDirectory(prefix="tensorpar-pipeline-")
     atexit.register(tmp.cleanup)
-    return dist.launch(W.all_worker, 4, LAYOUTS, tmp.name, deadline=900)
+    return dist.launch(W.all_worker, 4, LAYOUTS, tmp.name, LEDGER_LAYOUTS, deadline=900)
 
 
 def _case(layout):
@@ -67,7 +86,8 @@ def test_every_block_is_held_by_exactly_one_stage():
 REFUSALS = {
     "schedule": "pipeline schedule 'Bogus' does not exist; valid: GPipe, 1F1B, Interleaved1F1B",
     "too_many_stages": "pp=2 x 4 stage(s) per rank = 8 stages, more than the model's 4 blocks; valid pp with 4",
-    "virtual_not_dividing": "2 virtual stages (pp=2 x 1) do not divide the model's 3 blocks; stages that do: [1, 3]",
+    "virtual_not_dividing": "4 virtual stages (pp=2 x 2) do not divide the model's 5 blocks; stages that do: [1, 5]",
+    "torch_limit": "schedule 1F1B needs microbatches >= pp (2); got 1",
     "bad_blocks": "blocks per stage [3, 2] must be 2 positive counts adding up to the model's 4 blocks",
     "pp_without_schedule": "the mesh has a 'pp' dimension of 2: choose a pipeline schedule",
     "schedule_without_pp": "pipeline='1F1B' needs a 'pp' dimension; the mesh has ('dp', 'tp')",
@@ -105,3 +125,44 @@ def test_a_checkpoint_resumes_on_the_same_curve_in_another_pipeline_layout(src, 
 def test_export_of_a_pipelined_model_is_the_dense_model():
     for r in _results():
         assert r["checkpoints"]["export"] <= TOL
+
+
+@functools.lru_cache(maxsize=None)
+def _inventory(name: str, tp: int):
+    from tensorpar.models.tiny import make_tiny_config
+    from tensorpar.sharding.inventory import build_inventory
+    arch, sizes = W.MODELS[name]
+    return build_inventory(make_tiny_config(arch, **sizes), tp)
+
+
+def _recorded(records, dim) -> Counter:
+    return Counter((op, generic_name(module) or "cross_entropy", phase, payload)
+                   for g, op, module, phase, payload, _ in records if g == dim)
+
+
+def _predicted(items) -> Counter:
+    out = Counter()
+    for i in items:
+        out[(i.op, i.where, i.phase, i.payload_bytes)] += i.count
+    return out
+
+
+@pytest.mark.parametrize("layout", LEDGER_LAYOUTS, ids=lambda lay: "-".join(str(x) for x in lay[:6]) +
+                         ("-" + "-".join(f"{k}{v}" for k, v in lay[6].items()) if len(lay) > 6 else ""))
+def test_the_planner_equals_the_ledger_per_rank(layout):
+    """Every collective and transfer of a pipelined step, per mesh dimension, and the model states
+    each rank holds, as :func:`tensorpar.planner.pipeline_step.pipeline_step` plans them."""
+    pp, dp, tp, schedule, mb, name, opts = (*layout, {})[:7]
+    inv = _inventory(name, tp)
+    for res in _results():
+        r = res["ledger"][str(layout)]
+        plan = pipeline_step(inv, pp=pp, dp=dp, data_parallel=opts.get("dp"), sequence_parallel=opts.get("sp", False),
+                             batch=W.LEDGER_BATCH, seq=W.SEQ, e=8, schedule=schedule, microbatches=mb,
+                             virtual=opts.get("virtual"), pp_rank=r["pp_rank"], tp_rank=r["tp_rank"])
+        for dim in ("tp", "dp", "pp"):
+            assert _recorded(r["records"], dim) == _predicted(plan[dim]), (dim, r["rank"])
+        assert {g for g, *_ in r["records"]} <= {"tp", "dp", "pp"}, "a collective on another group"
+        want = pipeline_state_bytes(inv, pp=pp, dp=dp, data_parallel=opts.get("dp"), e=8, schedule=schedule,
+                                    virtual=opts.get("virtual"), pp_rank=r["pp_rank"], tp_rank=r["tp_rank"],
+                                    dp_rank=r["dp_rank"])
+        assert r["held"] == {k: want[k] for k in ("params", "grads", "optimizer")}, (r["rank"], r["held"], want)

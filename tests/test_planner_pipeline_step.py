@@ -71,7 +71,9 @@ def test_dp_per_stage_and_state_bytes():
     args = {**ARGS, "dp": 2, "data_parallel": "ddp"}
     dp = pipeline_step(inv, pp=2, batch=4, microbatches=2, schedule="Interleaved1F1B", pp_rank=0, **args)["dp"]
     assert [(i.payload_bytes, i.count) for i in dp if i.where == "train_step"] == [(8, 1)]  # once for two stages
-    assert sum(i.count for i in dp if i.where == "data_parallel") == 2  # a DDP bucket for each stage
+    # an all-reduce per replicated unit once per step: blocks 0 and 2 (stages 0 and 2), stage 0's embedding
+    assert sum(i.count for i in dp if i.where == "data_parallel") == 3
+    assert {i.phase for i in dp} == {"forward"}  # after the schedule's last microbatch, outside autograd
     held = [pipeline_state_bytes(inv, pp=2, dp=2, data_parallel="ddp", e=4, pp_rank=r)["params"] for r in (0, 1)]
     assert sum(held) == state_bytes(inv, dp=2, data_parallel="ddp", e=4)["params"]
 

@@ -8,12 +8,15 @@ PIPE = "tests/test_pipeline.py"
 EXACT = (PIPE, "-k", "equals_the_single or exactly_one_stage")
 MUTANTS = [
     M("[pipeline] a tied embedding's gradients not summed over its two stages", "distributed/pipelining.py",
-      'collectives.all_reduce(p.grad, group=group, module="pipeline.tied_embedding")', "pass", EXACT),
+      'collectives.all_reduce(total, group=group, module="pipeline.tied_embedding")', "pass", EXACT),
+    M("[pipeline] a tied embedding's two copies on one rank not summed", "distributed/pipelining.py",
+      "total.add_(g)", "pass", EXACT),
+    M("[pipeline] a tied embedding's copies not given the sum", "distributed/pipelining.py",
+      "g.copy_(total)", "pass", EXACT),
     M("[pipeline] clipping misses the other pipeline ranks' gradients", "models/training.py",
       'dist.all_reduce(sq, group=report.pp_group, module="clip_grad_norm")', "pass", EXACT),
     M("[pipeline] a tied embedding counted twice in the gradient norm", "sharding/pipeline.py",
-      "p.tp_pp_replicas = 2  # the first and the last stage's ranks hold it: clipping counts it once",
-      "p.tp_pp_replicas = 1", EXACT),
+      "p.tp_pp_replicas = 2 if tied_group is not None else len(ps)", "p.tp_pp_replicas = 1", EXACT),
     M("[pipeline] a later stage runs on the embedding's stand-in, not the hidden states it received",
       "sharding/stage_cut.py", "new_stack._modules[key] = _HandIn(box, anat.block_tuple)",
       "new_stack._modules[key] = _Skip(anat.block_tuple)", EXACT),

@@ -91,12 +91,13 @@ def check(*, pp: int, blocks: int, schedule: str, microbatches: int, virtual: in
         valid = [m for m in range(1, batch + 1) if batch % m == 0]
         raise ValueError(f"microbatches={microbatches} does not divide the batch of {batch} sequences "
                          f"(per data-parallel rank); valid: {valid}")
-    if name in LOOPED and v > 1 and microbatches % pp:
+    if name in LOOPED and v > 1 and microbatches % pp:  # whole rounds of pp microbatches: the planner's formulas
         valid = [m for m in range(pp, 4 * pp + 1, pp)]
-        raise ValueError(f"schedule {name} needs microbatches divisible by pp={pp}; got {microbatches} "
-                         f"(valid, e.g.: {valid})")
+        raise ValueError(f"schedule {name} with {v} stages per rank needs microbatches divisible by pp={pp}; "
+                         f"got {microbatches} (valid, e.g.: {valid})")
+    _check_torch_limits(name, pp, microbatches)
     if sizes is None:
-        if name in LOOPED + V_SHAPED and blocks % stages:
+        if name in LOOPED + V_SHAPED and v > 1 and blocks % stages:
             valid = [d for d in range(1, blocks + 1) if blocks % d == 0]
             raise ValueError(f"{stages} virtual stages (pp={pp} x {v}) do not divide the model's {blocks} blocks; "
                              f"stages that do: {valid} (or give the blocks per stage)")
@@ -106,3 +107,18 @@ def check(*, pp: int, blocks: int, schedule: str, microbatches: int, virtual: in
         raise ValueError(f"blocks per stage {sizes} must be {stages} positive counts adding up to the model's "
                          f"{blocks} blocks")
     return name, v, sizes
+
+
+def _check_torch_limits(name: str, pp: int, m: int) -> None:
+    """What PyTorch's schedule classes raise on at construction (torch 2.13), said before any rank
+    starts: 1F1B needs a microbatch per stage in flight, DualPipeV one per each of its ``2 pp``
+    stages, the interleaved schedules a whole number of rounds (``m // pp`` microbatches each)."""
+    if name == "1F1B" and m < pp:
+        raise ValueError(f"schedule 1F1B needs microbatches >= pp ({pp}); got {m} (valid: {pp}, {2 * pp}, ...)")
+    if name == "DualPipeV" and m < 2 * pp:
+        raise ValueError(f"schedule DualPipeV needs microbatches >= its {2 * pp} stages; got {m} "
+                         f"(valid: {2 * pp}, {3 * pp}, ...)")
+    rounds = max(1, m // pp)
+    if name in LOOPED and name != "LoopedBFS" and m % rounds:
+        raise ValueError(f"schedule {name} needs microbatches a multiple of its rounds (microbatches // pp = "
+                         f"{rounds}); got {m} (valid, e.g.: {pp}, {2 * pp}, {3 * pp})")

@@ -62,16 +62,21 @@ def wrap_stage(stage: nn.Module, mesh, data_parallel: str | None, blocks=()) -> 
     drives (it holds the gradient reduction back until a step's last microbatch): FSDP2's
     ``fully_shard``, or for ``"ddp"`` its replicated sibling ``replicate`` (ZeRO-0 on FSDP2's
     machinery: every parameter whole on every dp rank, gradients all-reduced), each on the stage's
-    blocks and on the stage itself."""
+    blocks and on the stage itself. FSDP2's units stay unsharded from their first forward to the
+    step's end (``reshard_after_forward=False``): one all-gather per unit and step, not one per
+    microbatch (torchtitan shards so under pipelining); the gradients are reduce-scattered once."""
     if data_parallel is None:
         return stage
+    from torch.distributed.fsdp import fully_shard
     if data_parallel == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
         for block in blocks:
             replicate(block, mesh=mesh["dp"])
         replicate(stage, mesh=mesh["dp"])
         return stage
-    apply(stage, mesh, "fsdp", blocks)
+    for block in blocks:  # gathered once per step, not once per microbatch (torchtitan's choice under pp)
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+    fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=False)
     return stage
 
 

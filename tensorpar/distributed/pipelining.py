@@ -4,8 +4,9 @@ Each rank's stage modules become ``PipelineStage``s in the mesh's ``pp`` group a
 of PyTorch's schedules, chosen by name (:mod:`tensorpar.architecture.pipeline`). Stage-to-stage
 sends and receives go through the ``pp`` group (over gloo, to which the shared-memory backend hands
 point-to-point transfers). Each one a step's schedule issues is recorded in the open ledger as
-``send`` (bytes sent: the tensor's) or ``recv`` (none sent), phase ``forward`` for activations
-and ``backward`` for their gradients, module ``pipeline.stage<i>`` (the stage that issues it);
+``send`` (bytes sent: the tensor's) or ``recv`` (none sent), module ``pipeline.activation``
+(phase ``forward``) for the hidden states and ``pipeline.activation_grad`` (phase ``backward``)
+for their gradients;
 the one-off exchanges of the first step (neighbour handshakes, shape inference) are not.
 
 The loss of a microbatch is its tokens' summed cross-entropy divided by the token count of the
@@ -70,7 +71,7 @@ class _RecordedStage(PipelineStage):
         if led is not None:
             for o in ops:
                 led.record("send" if o.op is tdist.isend else "recv", o.tensor, groups.get_world_size(self.group),
-                           phase=phase, module=f"pipeline.stage{self.stage_index}",
+                           phase=phase, module="pipeline.activation" if phase == "forward" else "pipeline.activation_grad",
                            group=groups.group_name(self.group))
         return ops
 
@@ -118,11 +119,26 @@ def tied_groups(mesh, holders_first: int, holders_last: int):
     return mine
 
 
-def sum_tied_grads(params: list, group) -> None:
-    """Sum the gradients of the tied ``params`` over ``group`` (the first and last stage's copies)."""
-    for p in params:
-        if p.grad is not None:
-            collectives.all_reduce(p.grad, group=group, module="pipeline.tied_embedding")
+def sum_tied_grads(tied: list, group) -> None:
+    """Make every copy of each tied tensor on this rank and across ``group`` (the first and the last
+    stage's ranks; None: this rank holds both) hold the sum of their gradients. ``tied``: per
+    tensor, its parameters on this rank (two when one rank holds both stages and data parallelism
+    made each stage its own copy)."""
+    for copies in tied:
+        grads = [_local(p.grad) for p in copies if p.grad is not None]
+        if not grads:
+            continue
+        total = grads[0]
+        for g in grads[1:]:  # both stages on this rank: their copies' gradients added here
+            total.add_(g)
+        if group is not None:
+            collectives.all_reduce(total, group=group, module="pipeline.tied_embedding")
+        for g in grads[1:]:
+            g.copy_(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def pp_rank_of_stage(stage: int, pp: int, schedule: str) -> int:

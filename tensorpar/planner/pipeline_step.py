@@ -9,8 +9,9 @@ sequences:
 
 - ``tp``: each stage's tensor-parallel sites (the loss's on the last stage), as :func:`.mesh.mesh_step`
   plans them, ``M`` times; ``train_step``'s batch digest and clipping over tp once;
-- ``dp``: each stage's data-parallel engine over that stage's parameters (:func:`.mesh.dp_items`),
-  the step's own items (the loss averaged over dp, FSDP's clipping) once;
+- ``dp``: each stage's data-parallel units (its blocks, then the stage itself), reduced once after
+  the last microbatch (:func:`_dp_step`), the step's own items (the loss averaged over dp, FSDP's
+  clipping) once;
 - ``pp``: at every boundary to a stage on another rank, the hidden states
   ``(b, s / t if sequence parallel else s, h)`` in the model's dtype sent forward and their
   gradient sent back: ``send`` (the payload) on the sender, ``recv`` (0 bytes) on the receiver;
@@ -28,11 +29,13 @@ from tensorpar.architecture.split_model import ModelInventory
 
 from .collectives import ring_bytes_sent
 from .layout import check_size, check_virtual
-from .mesh import dp_items, sequence_sites, state_bytes
+from .mesh import DATA_PARALLEL, block_of, fsdp_unit_elems, sequence_sites, state_bytes
 from .predict import PredictedCollective, _merge, _Step
-from .runtime import step_items
+from .runtime import generic_name, step_items
 from .schedules import check_schedule
 from .stages import blocks, held, stages, tied_across, why_not
+
+
 
 PER_STEP = ("train_step", "clip_grad_norm")  # train_step's own items, once however many stages a rank holds
 
@@ -91,15 +94,50 @@ def _tp_step_items(inv: ModelInventory, clip: bool) -> list:
 
 
 def _dp_step(inv, st, mine, dp, data_parallel, e, tp_rank, clip) -> list:
-    out, seen = [], set()
+    """Data parallelism per stage as the pipeline runs it (:func:`tensorpar.distributed.dp_engines.wrap_stage`):
+    every block of the stage and the stage itself (its other parameters) are units of FSDP2's
+    ``fully_shard`` (``"fsdp"``) or of its replicated sibling ``replicate`` (``"ddp"``), kept
+    unsharded from the first microbatch's forward to the step's end (``reshard_after_forward=False``,
+    as torchtitan shards under pipelining). The schedule reduces the gradients once, after the last
+    microbatch, outside autograd (phase ``forward``): per unit an all-reduce (``"ddp"``), or an
+    all-gather at the unit's first forward and a reduce-scatter (``"fsdp"``). Then the step's own
+    items: the loss averaged over dp; under FSDP clipping's rows summed over dp."""
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel ({data_parallel!r}) must be one of: {', '.join(DATA_PARALLEL)}")
+    if dp == 1:
+        return []
+
+    def item(op, where, payload, note):
+        return PredictedCollective(op, where, "forward", dp, payload, (ring_bytes_sent(op, payload, dp),), 1, note)
+
+    out = []
     for s in mine:
-        for i in dp_items(replace(inv, params=tuple(held(inv, st, s))), dp, data_parallel, e, tp_rank=tp_rank,
-                          clip=clip):
-            if i.where in PER_STEP and (i.where, i.op) in seen:
+        units: dict = {}
+        for p in held(inv, st, s):
+            units.setdefault(block_of(p.name) or "", []).append(tuple(p.ranks[tp_rank].shape))
+        root = units.pop("", [])
+        for unit, shapes in [*units.items(), ("", root)]:
+            if not shapes:
                 continue
-            seen.add((i.where, i.op))
-            out.append(i)
+            where = generic_name(unit) if unit else "FSDPStageModule"
+            if data_parallel == "ddp":
+                n = sum(_numel(shape) for shape in shapes) * e
+                out.append(item("all_reduce", "data_parallel", n, "a replicated unit's gradients averaged"))
+            else:
+                n = fsdp_unit_elems(shapes, dp) * e
+                out.append(item("all_gather", where, n, "FSDP unit unsharded for the step"))
+                out.append(item("reduce_scatter", "data_parallel", n, "FSDP gradients reduced into shards"))
+    if clip and data_parallel == "fsdp":
+        out.append(item("all_reduce", "clip_grad_norm", 8, "the squared gradient norm's FSDP rows summed over dp"))
+    out.append(item("all_reduce", "train_step", 8, "the loss averaged over dp"))
     return _merge(out)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _p2p_items(inv, st, mine, pp, name, b, seq, e, m, sequence_parallel) -> list:
@@ -130,7 +168,7 @@ def _pp_step_items(inv, st, pp, pp_rank, name, e, tp_rank, clip) -> list:
     tied = tied_across(inv, st)
     if tied and first != last and pp_rank in (first, last):
         n = sum(p.ranks[tp_rank].numel for p in tied) * e
-        out.append(PredictedCollective("all_reduce", "pipeline.tied_embedding", "backward", 2, n,
+        out.append(PredictedCollective("all_reduce", "pipeline.tied_embedding", "forward", 2, n,
                                        (ring_bytes_sent("all_reduce", n, 2),), 1,
                                        "the tied copies' gradients summed over the first and last stage"))
     if pp > 1:
@@ -149,7 +187,7 @@ def pipeline_state_bytes(inv: ModelInventory, *, pp: int, dp: int, data_parallel
                          dp_rank: int = 0) -> dict:
     """Parameters, gradients and AdamW moments (bytes) the rank at ``(pp_rank, dp_rank, tp_rank)``
     holds: :func:`.mesh.state_bytes` over the parameters of its stages (a tensor two of its
-    stages share, once)."""
+    stages share, once; twice under data parallelism, which gives each stage its own copy)."""
     check_size("pp", pp)
     name = schedule_name(schedule)
     v = default_virtual(name) if virtual is None else virtual
@@ -160,7 +198,10 @@ def pipeline_state_bytes(inv: ModelInventory, *, pp: int, dp: int, data_parallel
     st = stages(inv, pp * v)
     _check_rank("pp_rank", pp_rank, pp)
     mine = stages_of_rank(pp_rank, pp, v, name)
-    params = tuple(p for p in inv.params if any(s in st.homes[p.name] for s in mine))
+    # a tensor two of its stages share (a V's tied embedding and head) is one parameter, unless data
+    # parallelism wraps each stage on its own: then each stage holds its copy (summed each step)
+    params = tuple(p for p in inv.params for s in mine if s in st.homes[p.name]
+                   if data_parallel is not None or s == next(t for t in mine if t in st.homes[p.name]))
     return state_bytes(replace(inv, params=params), dp=dp, data_parallel=data_parallel, e=e, tp_rank=tp_rank,
                        dp_rank=dp_rank)
 

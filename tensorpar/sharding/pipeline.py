@@ -158,19 +158,27 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     ranges = arch_pipeline.stage_ranges(sizes)
     indices = arch_pipeline.stages_of_rank(pp_rank, pp, virtual, schedule)
     chunks = report.tp_size if sequence_parallel else 1
-    names = {id(p): n for n, p in model.named_parameters()}  # before the cut: a tied head's first name
+    canon = {id(p): n for n, p in model.named_parameters()}  # before the cut: a tied head's first name
+    tied = {canon[id(p)] for p in _tied_params(model, anat)}
     raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks) for i in indices]
-    tied = _tied_params(model, anat)
+    # each stage's parameters by their name in it -> by their name in the whole model
+    where = [{n: canon[id(p)] for n, p in st.model.named_parameters(remove_duplicate=False)} for st in raw]
     first, last = (arch_pipeline.rank_of_stage(s, pp, schedule) for s in (0, len(ranges) - 1))
-    tied_group = None
-    if tied and first != last:
-        tied_group = pipelining.tied_groups(mesh, first, last)
-        for p in tied:
-            p.tp_pp_replicas = 2  # the first and the last stage's ranks hold it: clipping counts it once
+    tied_group = pipelining.tied_groups(mesh, first, last) if tied and first != last else None
     wrapped = []
-    for stage in raw:
+    for stage in raw:  # data parallelism may replace a stage's parameters (DTensors): names found again after
         stage_blocks = [b for b in stage.model.get_submodule(anat.stack_name) if any(True for _ in b.parameters())]
         wrapped.append(dp_engines.wrap_stage(stage, mesh, data_parallel, stage_blocks))
+    names = {id(st.model.get_parameter(n)): c for st, m in zip(raw, where) for n, c in m.items()}
+    copies = {}  # a tied tensor's name -> its parameters on this rank (two when one rank holds both stages)
+    for st, m in zip(raw, where):
+        for n, c in m.items():
+            p = st.model.get_parameter(n)
+            if c in tied and all(p is not q for q in copies.get(c, [])):
+                copies.setdefault(c, []).append(p)
+    for ps in copies.values():
+        for p in ps:  # held by the first and the last stage: clipping counts it once
+            p.tp_pp_replicas = 2 if tied_group is not None else len(ps)
     if data_parallel is not None:
         report.data_parallel, report.dp_group, report.dp_size = data_parallel, mesh["dp"].get_group(), mesh["dp"].size()
     report.sequence_parallel = sequence_parallel
@@ -179,14 +187,9 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     report.stage_blocks, report.stages = [list(r) for r in ranges], indices
     out = pipelined.PipelinedModel(wrapped, raw, config=getattr(model, "config", None), report=report,
                                    schedule=schedule, microbatches=microbatches, pp_group=mesh["pp"].get_group(),
-                                   tied=[p for p in tied if any(p is q for q in _params(raw))], tied_group=tied_group,
-                                   names=names)
+                                   tied=list(copies.values()), tied_group=tied_group, names=names)
     out._tp_param_tags = model.__dict__.get("_tp_param_tags")
     return out
-
-
-def _params(stages):
-    return [p for s in stages for p in s.parameters()]
 
 
 def _tied_params(model, anat) -> list:

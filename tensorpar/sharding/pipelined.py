@@ -38,6 +38,8 @@ class PipelinedModel(nn.Module):
         self.config = config
         self.tp_report = report
         self.schedule_name, self.microbatches = schedule, microbatches
+        # tied: [[its parameters on this rank]] per tensor the first and the last stage share (one
+        # parameter, or two when one rank holds both stages and data parallelism made each its own)
         self._pp_group, self._tied, self._tied_group = pp_group, tied, tied_group
         self._schedules = {}
         self._total = [None]  # the token count of the running step's batch, for the loss of a microbatch
@@ -52,8 +54,7 @@ class PipelinedModel(nn.Module):
                 if remove_duplicate and id(p) in seen:
                     continue
                 seen.add(id(p))
-                if remove_duplicate:  # a tied head on the last stage: under the embedding's name, as unsplit
-                    name = self._names.get(id(p), name)
+                name = self._names.get(id(p), name)  # a tied head on the last stage: the embedding's name
                 yield prefix + ("." if prefix else "") + name, p
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
@@ -138,8 +139,7 @@ class PipelinedModel(nn.Module):
         schedule.step(input_ids, target=labels, losses=losses)
         self.last_step = {"seconds": time.perf_counter() - t0,
                           "busy_seconds": sum(s.busy_s for s in stages) - busy0}
-        if self._tied_group is not None:
-            pipelining.sum_tied_grads(self._tied, self._tied_group)
+        pipelining.sum_tied_grads(self._tied, self._tied_group)
         loss = torch.zeros(1, dtype=torch.float64)
         if self.holds_last:
             loss[0] = sum(float(x.detach()) for x in losses)
