@@ -139,6 +139,42 @@ def test_resumed_at_another_layout_continues_the_same_curve(files):
     assert run["checkpoints"] == [os.path.join(run["out"], "checkpoints", f"step-{STEPS:08d}")]
 
 
+def _all_equal(run) -> bool:
+    """Every rank's recorded step issued exactly the calls the planner predicted for it."""
+    comm = run["communication_per_rank"]
+    return len(comm) == run["layout"]["world_size"] and all(c["equal"] for c in comm)
+
+
+def test_each_run_costs_what_the_planner_said(files):
+    """dp 2 x tp 2 (DDP), tp 4 (FSDP, sequence parallel) and pp 2 x tp 2 (GPipe): the ledger's calls
+    of the recorded step equal the planner's per rank, and each rank holds the planner's bytes."""
+    for which in ("full", "resumed", "pipelined"):
+        run = _run(files["root"], which)
+        assert _all_equal(run), (which, run["communication_per_rank"])
+        assert run["communication_per_rank"][0]["step"] == run["start_step"] + 3  # past the one-off exchanges
+        for m in run["memory_per_rank"]:
+            held = {k: m[f"{k}_bytes"] for k in ("parameter", "gradient")}
+            assert held == {"parameter": m["planned"]["params"], "gradient": m["planned"]["grads"]}, (which, m)
+
+
+def test_the_planners_best_layout_runs_as_planned(files, tmp_path):
+    """From plan to run: `plan --search` over 4 devices prints the `tensorpar train` command of its
+    best layout; that command, run, issues on every rank the calls the planner predicts."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli(["plan", "--model", files["model"], "--search", "--devices", "4", "--json"]) == 0
+    command = json.loads(buf.getvalue())["command"].split()
+    assert command[:2] == ["tensorpar", "train"] and "--pp" in command
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli([*command[1:], "--steps", "3", "--seq", str(SEQ), "--out", str(tmp_path / "out"), "--json"])
+    assert code == 0, buf.getvalue()
+    run = json.loads(buf.getvalue())
+    lay = run["layout"]
+    assert [lay[k] for k in ("tp", "pp", "dp")] == [int(command[command.index(f"--{k}") + 1]) for k in ("tp", "pp", "dp")]
+    assert _all_equal(run), run["communication_per_rank"]
+
+
 def test_resumed_with_pipeline_stages_continues_the_same_curve(files):
     """The dp 2 x tp 2 checkpoint at step 3, resumed at pp 2 x tp 2 (GPipe, 2 microbatches): steps 4-6
     on the reference's curve, the loss the global batch's on every rank."""

@@ -169,6 +169,7 @@ def _show(r) -> None:
         t.add_row(str(r.step_numbers[i]), f"{r.losses[i]:.5f}", f"{r.grad_norms[i]:.4f}", f"{r.tokens_per_s[i]:,.0f}")
     con.print(t)
     _memory_table(con, r)
+    _communication_table(con, r)
     for path in r.checkpoints:
         con.print(f"checkpoint: {path}")
     if r.export:
@@ -198,4 +199,20 @@ def _memory_table(con, r) -> None:
                _mb(m["gradient_bytes"]), _mb(m["optimizer_bytes"]), _mb(m["state_bytes"]),
                _mb(m["planned_state_bytes"]), _mb(m["peak_rss_bytes"])]
         t.add_row(*row, *([_mb(m["cuda_max_allocated_bytes"])] if gpu else []))
+    con.print(t)
+
+
+def _communication_table(con, r) -> None:
+    from rich.table import Table
+
+    if not r.communication_per_rank:
+        return
+    step = r.communication_per_rank[0]["step"]
+    t = Table(title=f"Communication per rank at step {step}: the calls the ledger recorded beside the planner's",
+              title_justify="left")
+    for col in ("rank", "calls", "planner", "bytes sent", "planner", "equal"):
+        t.add_column(col, justify="right")
+    for c in r.communication_per_rank:
+        t.add_row(str(c["rank"]), str(c["calls"]), str(c["planned_calls"]), f"{c['bytes_sent']:,.0f}",
+                  f"{c['planned_bytes_sent']:,.0f}", "yes" if c["equal"] else "[red]no[/]")
     con.print(t)

@@ -65,7 +65,7 @@ def wrap_stage(stage: nn.Module, mesh, data_parallel: str | None, blocks=()) -> 
     blocks and on the stage itself. FSDP2's units stay unsharded from their first forward to the
     step's end (``reshard_after_forward=False``): one all-gather per unit and step, not one per
     microbatch (torchtitan shards so under pipelining); the gradients are reduce-scattered once."""
-    if data_parallel is None:
+    if data_parallel is None or mesh["dp"].size() == 1:  # nothing to average over: no engine, no calls
         return stage
     from torch.distributed.fsdp import fully_shard
     if data_parallel == "ddp":

@@ -21,12 +21,17 @@ folder holding another run's checkpoints. Then, on every rank:
 - every ``save_every`` steps ``tensorpar.save``; at the end ``tensorpar.export`` if asked.
 
 Each rank reports the bytes it holds: parameters, gradients and optimizer state (its local
-tensors; under FSDP its shards), its peak RSS, and on a GPU torch's peak allocation.
+tensors; under FSDP its shards), its peak RSS, and on a GPU torch's peak allocation, beside the
+planner's figure for the same rank; and the collectives and transfers of one step (the third, past
+the first two's one-off exchanges) as the ledger recorded them, beside the calls the planner
+predicts for that rank (:func:`tensorpar.planner.mesh.mesh_step`, with pipeline stages
+:func:`tensorpar.planner.pipeline_step.pipeline_step`): ``equal`` when every call matches.
 """
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 import resource
 import socket
 import time
@@ -47,7 +52,9 @@ from tensorpar.jobs.train_checks import ZERO
 from tensorpar.models.saving import export, load, save
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.models.training import train_step
-from tensorpar.planner.mesh import state_bytes
+from tensorpar.planner.mesh import mesh_step, state_bytes
+from tensorpar.planner.pipeline_step import pipeline_state_bytes, pipeline_step
+from tensorpar.planner.runtime import generic_name
 from tensorpar.plots import plot_losses
 
 TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
@@ -108,6 +115,8 @@ class TrainReport:
     grad_norms: list  # per step: the whole model's gradient norm before clipping
     tokens_per_s: list  # per step: global batch tokens over the step's wall time
     memory_per_rank: list
+    # per rank: one step's collectives and transfers as the ledger recorded them beside the planner's
+    communication_per_rank: list
     checkpoints: list
     resumed_from: str | None
     export: str | None
@@ -212,9 +221,15 @@ def train_worker(spec: dict, tokens, sink) -> dict:
     if lead:
         sink.send({"event": "start", "start": start, "steps": spec["steps"], "world_size": dist.get_world_size()})
     history, saved, stopped = [], [], None
+    recorded = None
     for step in range(start + 1, spec["steps"] + 1):
         ids = batch_for_step(tokens, step, spec["batch"], spec["seq"], spec["seed"], rows).to(device)  # (B/dp, T)
-        history.append(_step(model, opt, ids, step, spec))
+        if step == _ledger_step(start, spec["steps"]):  # past the first step's one-off exchanges
+            with dist.ledger(model) as led:
+                history.append(_step(model, opt, ids, step, spec))
+            recorded = {"step": step, "records": _by_dimension(led, mesh, model)}
+        else:
+            history.append(_step(model, opt, ids, step, spec))
         memory = dist.all_gather_object(held_bytes(model, opt, device)) if step == start + 1 else None
         if lead:
             sink.send({"event": "step", **history[-1], "memory": memory})
@@ -232,7 +247,26 @@ def train_worker(spec: dict, tokens, sink) -> dict:
     if spec["export"] is not None and stopped is None:
         export(model, spec["export"])
     return {"history": history, "memory": held_bytes(model, opt, device), "checkpoints": saved,
-            "start": start, "transport": dist.transport(None), "stopped": stopped}
+            "start": start, "transport": dist.transport(None), "stopped": stopped, "ledger": recorded,
+            "coords": {k: mesh[k].get_local_rank() for k in mesh.mesh_dim_names}}
+
+
+def _ledger_step(start: int, steps: int) -> int:
+    """The step the ledger records: the run's third, past the one-off exchanges of the first two
+    (the pipeline's shape inference in the first, DDP's rebuilt buckets broadcast in the second),
+    or its last when it runs fewer (its report then lists those exchanges as unplanned calls)."""
+    return min(start + 3, steps)
+
+
+def _by_dimension(led, mesh, model) -> list:
+    """``[(mesh dimension, op, module pattern, phase, payload bytes, bytes sent)]`` of the ledger's
+    records (a pipeline's tied-embedding group counted as pp)."""
+    names = {mesh[k].get_group().group_name: k for k in mesh.mesh_dim_names}
+    tied = getattr(model, "_tied_group", None)
+    if tied is not None:
+        names[tied.group_name] = "pp"
+    return [(names.get(r.group, r.group), r.op, generic_name(r.module) or "cross_entropy", r.phase,
+             r.payload_bytes, r.bytes_sent) for r in led.records]
 
 
 def _step(model, opt, ids, step: int, spec: dict) -> dict:
@@ -323,7 +357,9 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
         batch=cfg.batch, seq=cfg.seq, lr=cfg.lr, weight_decay=cfg.weight_decay, max_norm=cfg.max_norm,
         seed=cfg.seed, start_step=rank0["start"], steps=cfg.steps, step_numbers=[h["step"] for h in hist],
         losses=[h["loss"] for h in hist], grad_norms=[h["grad_norm"] for h in hist],
-        tokens_per_s=[h["tokens_per_s"] for h in hist], memory_per_rank=_with_plan(cfg, plan["inventory"], per_rank),
+        tokens_per_s=[h["tokens_per_s"] for h in hist],
+        memory_per_rank=_with_plan(cfg, plan["inventory"], per_rank, plan["pipeline"]),
+        communication_per_rank=_communication(cfg, plan, per_rank),
         checkpoints=rank0["checkpoints"], resumed_from=spec["resume"], export=spec["export"], png=None,
         out=str(plan["out"]))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process holds the report: one figure
@@ -332,20 +368,62 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
     return report
 
 
-def _with_plan(cfg: TrainConfig, inv, per_rank: list) -> list:
+def _with_plan(cfg: TrainConfig, inv, per_rank: list, pipe: dict | None) -> list:
     """Each rank's memory with the planner's figure for the same rank beside it
     (:func:`tensorpar.planner.mesh.state_bytes` over the model's inventory: parameters, gradients and
     AdamW's two moments; the measured optimizer bytes also hold AdamW's step counters)."""
     e = DTYPES[cfg.dtype].itemsize
     out = []
     for r in per_rank:
-        m = r["memory"]
-        if cfg.pp > 1:  # the planner's per-stage figure is not wired in yet
-            out.append({**m, "planned_state_bytes": None, "planned": None})
-            continue
-        planned = state_bytes(inv, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e, tp_rank=m["rank"] % cfg.tp,
-                              dp_rank=m["rank"] // cfg.tp)
+        m, c = r["memory"], r["coords"]
+        if pipe is not None:
+            planned = pipeline_state_bytes(inv, pp=cfg.pp, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e,
+                                           schedule=pipe["schedule"], virtual=pipe["virtual_stages"],
+                                           pp_rank=c["pp"], tp_rank=c["tp"], dp_rank=c["dp"])
+        else:
+            planned = state_bytes(inv, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e, tp_rank=c["tp"], dp_rank=c["dp"])
         out.append({**m, "planned_state_bytes": planned["total"], "planned": planned})
+    return out
+
+
+def _sent_by(item, rank: int) -> float:
+    """Bytes group rank ``rank`` sends for ``item`` (one figure when every rank sends as many)."""
+    per = item.bytes_sent_per_rank
+    return (per[rank] if len(per) > 1 else per[0]) * item.count
+
+
+def _communication(cfg: TrainConfig, plan: dict, per_rank: list) -> list:
+    """Each rank's collectives and transfers of the recorded step beside the planner's prediction
+    for the same rank (:func:`tensorpar.planner.mesh.mesh_step`, or
+    :func:`tensorpar.planner.pipeline_step.pipeline_step` with pipeline stages), call by call:
+    ``equal`` when every (dimension, op, module, phase, payload) has the same count."""
+    inv, e = plan["inventory"], DTYPES[cfg.dtype].itemsize
+    pipe = plan["pipeline"]
+    out = []
+    for r in per_rank:
+        if r["ledger"] is None:
+            continue
+        c = r["coords"]
+        common = dict(dp=cfg.dp, data_parallel=ZERO[cfg.zero], sequence_parallel=cfg.sequence_parallel,
+                      batch=cfg.batch, seq=cfg.seq, e=e, tp_rank=c["tp"], clip=True)
+        if pipe is None:
+            predicted = mesh_step(inv, **common)
+        else:
+            predicted = pipeline_step(inv, pp=cfg.pp, schedule=pipe["schedule"], microbatches=pipe["microbatches"],
+                                      virtual=pipe["virtual_stages"], pp_rank=c["pp"], **common)
+        want = Counter()
+        for dim, items in predicted.items():
+            for i in items:
+                want[(dim, i.op, i.where, i.phase, i.payload_bytes)] += i.count
+        got = Counter((d, op, where, phase, payload) for d, op, where, phase, payload, _ in r["ledger"]["records"]
+                      if d in ("tp", "dp", "pp"))
+        sent = sum(b for *_, b in r["ledger"]["records"])
+        planned = sum(_sent_by(i, c[dim]) for dim, items in predicted.items() for i in items)
+        out.append({"rank": r["memory"]["rank"], "step": r["ledger"]["step"], "calls": sum(got.values()),
+                    "planned_calls": sum(want.values()), "bytes_sent": sent, "planned_bytes_sent": planned,
+                    "equal": got == want,
+                    "only_recorded": [list(k) + [n] for k, n in (got - want).items()],
+                    "only_planned": [list(k) + [n] for k, n in (want - got).items()]})
     return out
 
 
