@@ -146,7 +146,7 @@ def _check_pipeline(model, mesh, pipeline, microbatches, virtual_stages, stage_b
     blocks = len(probes.blocks(model))
     schedule, virtual, sizes = pipelined.check(pipeline, microbatches, virtual_stages, stage_blocks, blocks,
                                                mesh["pp"].size())
-    return stage_cut.anatomy(model), schedule, virtual, sizes
+    return stage_cut.anatomy(model, arch_pipeline.stage_ranges(sizes)), schedule, virtual, sizes
 
 
 def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches):

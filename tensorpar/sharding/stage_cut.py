@@ -88,15 +88,16 @@ class _Zeros(nn.Module):
         super().__init__()
         self.dim, self.dtype = dim, dtype
 
-    def forward(self, ids, *args, **kwargs):
+    def forward(self, *args, **kwargs):
+        ids = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))  # as the piece was given
         return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.dim)
 
 
 class _Same(nn.Module):
     """A shape-keeping piece before the blocks (a norm of the embeddings), on a later stage."""
 
-    def forward(self, x, *args, **kwargs):
-        return x
+    def forward(self, *args, **kwargs):
+        return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
 
 
 class _Elsewhere(nn.Module):
@@ -120,10 +121,14 @@ class Anatomy:
     block_tuple: bool = False  # a block returns a tuple (hidden, ...) rather than a tensor
 
 
-def anatomy(model: nn.Module) -> Anatomy:
+def anatomy(model: nn.Module, ranges=None) -> Anatomy:
     """The model's pieces by the registration rule, checked against one short forward (a batch of
-    one sequence of two tokens): ``ValueError`` naming a piece that runs on the other side of the
-    blocks from where it is registered, or one before them that a later stage cannot stand in for."""
+    one sequence of three tokens): ``ValueError`` naming a piece that runs on the other side of the
+    blocks from where it is registered, or one before them that a later stage cannot stand in for.
+    With ``ranges`` (each stage's ``(first block, end)``), the cut is then proved: every stage built
+    and run in turn on the same tokens gives the model's logits exactly, and holds its share of the
+    parameters, or ``ValueError`` says how it differs. The model runs in eval mode for both, and
+    the random number generator's state is left as it was."""
     if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
         raise ValueError(f"pipeline stages need a causal LM with an output head; {type(model).__name__} has none")
     if any(p.is_meta for p in model.parameters()):
@@ -135,12 +140,14 @@ def anatomy(model: nn.Module) -> Anatomy:
     stack_name = blist[0][0].rsplit(".", 1)[0]
     pieces = _pieces(model, stack_name)
     order, shapes = [], {}
-    hooks = [model.get_submodule(n).register_forward_hook(_recorder(n, order, shapes)) for n, _ in pieces]
-    hooks += [b.register_forward_hook(_recorder(n, order, shapes)) for n, b in blist]
+    hooks = [model.get_submodule(n).register_forward_hook(_recorder(n, order, shapes), with_kwargs=True)
+             for n, _ in pieces]
+    hooks += [b.register_forward_hook(_recorder(n, order, shapes), with_kwargs=True) for n, b in blist]
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.tensor([[1 % vocab, 2 % vocab, 3 % vocab]], device=probes.device_of(model))
     try:
-        with torch.no_grad():
-            vocab = model.get_input_embeddings().num_embeddings
-            model(input_ids=torch.tensor([[1 % vocab, 2 % vocab]], device=probes.device_of(model)), use_cache=False)
+        with _quiet_run(model):
+            reference = model(input_ids=ids, use_cache=False).logits
     finally:
         for h in hooks:
             h.remove()
@@ -160,7 +167,55 @@ def anatomy(model: nn.Module) -> Anatomy:
             out.after.append(name)
     out.before += [(n, None) for n, before in pieces if before and n not in order]
     out.after += [n for n, before in pieces if not before and n not in order]
+    if ranges is not None:
+        _prove(model, out, ranges, ids, reference)
     return out
+
+
+def _prove(model, anat: Anatomy, ranges, ids, reference) -> None:
+    """Every stage of ``ranges``, run in turn on ``ids``, gives ``reference`` (the model's logits)
+    bit for bit, and the stages hold every parameter of the model between them."""
+    name = type(model).__name__
+    stages = [build_stage(model, anat, i, ranges) for i in range(len(ranges))]
+    held = {id(p) for st in stages for p in st.parameters()}
+    missing = [n for n, p in model.named_parameters() if id(p) not in held]
+    if missing:
+        raise ValueError(f"{name} cannot be cut into pipeline stages: no stage holds {missing[0]}")
+    try:
+        with _quiet_run(model):
+            x = ids
+            for st in stages:
+                x = st(x)
+    except Exception as exc:  # the model's forward does not run over the skeleton: said, not raised as is
+        raise ValueError(f"{name} cannot be cut into pipeline stages: its stages do not run "
+                         f"({type(exc).__name__}: {exc})") from exc
+    if x.shape != reference.shape or not torch.equal(x, reference):
+        diff = float((x - reference).abs().max()) if x.shape == reference.shape else float("inf")
+        raise ValueError(f"{name} cannot be cut into pipeline stages: its stages run in turn give other logits "
+                         f"than the model (largest difference {diff:.3g}); its forward does more than its "
+                         f"blocks in order")
+
+
+class _quiet_run:
+    """Eval mode and no gradients for a check's forward; the mode and the RNG state restored after."""
+
+    def __init__(self, model):
+        self.model, self.modes = model, None
+
+    def __enter__(self):
+        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        self.rng = torch.random.fork_rng(devices=[])
+        self.rng.__enter__()
+        self.grad = torch.no_grad()
+        self.grad.__enter__()
+
+    def __exit__(self, *exc):
+        self.grad.__exit__(*exc)
+        self.rng.__exit__(*exc)
+        for m, training in self.modes:
+            m.training = training
+        return False
 
 
 def _pieces(model, stack_name: str) -> list[tuple[str, bool]]:
@@ -183,10 +238,11 @@ def _pieces(model, stack_name: str) -> list[tuple[str, bool]]:
 
 
 def _recorder(name, order, shapes):
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         if name not in shapes:
             order.append(name)
-            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            given = [*args, *kwargs.values()]
+            first = next((a for a in given if isinstance(a, torch.Tensor)), None)
             main = output[0] if isinstance(output, tuple) else output
             shapes[name] = (first, main, isinstance(output, tuple))
     return hook
