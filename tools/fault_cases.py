@@ -260,23 +260,34 @@ def train_nonfinite_loss():
 
 def train_rank_stopped():
     """A rank SIGSTOPped while `tensorpar train` runs: the job ends, naming it, within 30 s."""
+    return _train_rank_signalled(signal.SIGSTOP, ["--dp", "1", "--tp", "2"], 2, "stopped")
+
+
+def train_pipeline_rank_killed():
+    """A rank SIGKILLed while `tensorpar train --pp 2` runs (its peer stage waits on a transfer from
+    it): the job ends, naming it, within 30 s."""
+    return _train_rank_signalled(signal.SIGKILL, ["--pp", "2", "--dp", "1", "--tp", "1", "--microbatches", "2"], 2,
+                                 "rank 1")
+
+
+def _train_rank_signalled(sig, layout: list, ranks_n: int, word: str):
     from tensorpar.models.tiny import make_tiny_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         model = str(make_tiny_checkpoint(Path(d) / "llama", "llama"))
-        cmd = [sys.executable, "-m", "tensorpar", "train", "--model", model, "--dp", "1", "--tp", "2", "--steps",
+        cmd = [sys.executable, "-m", "tensorpar", "train", "--model", model, *layout, "--steps",
                "100000", "--seq", "16", "--batch", "2", "--out", str(Path(d) / "out"), "--json"]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
-            ranks = _wait_for_ranks(proc.pid, 2, 120)
+            ranks = _wait_for_ranks(proc.pid, ranks_n, 120)
             time.sleep(5)  # training under way
-            os.kill(ranks[-1], signal.SIGSTOP)
+            os.kill(ranks[-1], sig)
             t0 = time.monotonic()
             out, err = proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            return "hang", "tensorpar train still running 60 s after a rank was stopped"
+            return "hang", f"tensorpar train still running 60 s after a rank got {sig.name}"
         except TimeoutError:  # the harness found no ranks: the job must not outlive the case
             os.killpg(proc.pid, signal.SIGKILL)
             raise
@@ -287,7 +298,7 @@ def train_rank_stopped():
         return "silent", detail
     if len(lines) != 1 or "Traceback" in err:
         return "traceback", detail
-    return ("clean" if "stopped" in lines[0] and took < 30 else "unclear"), detail
+    return ("clean" if word in lines[0] and took < 30 else "unclear"), detail
 
 
 def _wait_for_ranks(pid: int, n: int, bound: float) -> list[int]:
@@ -382,6 +393,8 @@ API_CASES = [
      120),
     ("fault", "train reaches a NaN loss (--lr 1e30)", "train_nonfinite_loss", (), 120),
     ("fault", "a rank stopped (SIGSTOP) during tensorpar train", "train_rank_stopped", (), 180),
+    ("fault", "a pipeline stage's rank killed (SIGKILL) during tensorpar train --pp 2", "train_pipeline_rank_killed",
+     (), 180),
     ("security", "save where latest names ../victim/step-00000001", "save_does_not_delete_what_latest_names", (),
      30),
 ]
