@@ -30,8 +30,8 @@ def ring_bytes_sent(op: str, payload_bytes, group_size: int, *, rank: int = 0, s
     p = group_size
     if op not in RING_OPS + P2P_OPS:
         raise ValueError(f"unknown collective {op!r}; valid: {', '.join(RING_OPS + P2P_OPS)}")
-    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p,
-               "send": 1, "recv": 0}  # point-to-point: the sender sends the tensor once, the receiver nothing
+    factors = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}
+    factors.update(send=1, recv=0)  # point-to-point: the sender sends the tensor once, the receiver nothing
     factor = factors[op] if op in factors else broadcast_sends(p, (rank - src) % p, broadcast_algorithm)
     sent = factor * payload_bytes
     return int(sent) if float(sent).is_integer() else sent
