@@ -21,12 +21,13 @@ def test_stages_blocks_params_and_boundaries():
     p = r.pipeline
     assert [s["blocks"] for s in p["stages"]] == [[0, 2], [2, 4], [4, 5], [5, 6]]  # remainder to the first stages
     assert p["microbatches"] == 4 and p["schedule"] == "GPipe" and p["virtual_stages"] == 1
-    sent = 2 * 8 * 16 * 4  # (b, s, h) in fp32 from every tp rank
+    whole = 2 * 8 * 16 * 4  # (b, s, h) in fp32
+    sent = whole // 2  # each tp rank's slice of the hidden dim (the receiver all-gathers them over tp)
     assert [s["p2p_bytes_per_microbatch"] for s in p["stages"]] == [{"forward": sent, "backward": sent}] * 3 + [
         {"forward": 0, "backward": 0}]
     assert [s["params_per_rank"] for s in p["stages"]] == r.params_per_stage
     sp = _plan(pp=2, tp=2, micro_batch=2, global_batch=4, sequence_parallel=True)
-    assert sp.pipeline["stages"][0]["p2p_bytes_per_microbatch"]["forward"] == sent // 2  # seq / tp
+    assert sp.pipeline["stages"][0]["p2p_bytes_per_microbatch"]["forward"] == whole // 2  # seq / tp
 
 
 @pytest.mark.parametrize("schedule, alive", [("GPipe", [4, 4]), ("1F1B", [2, 1])])

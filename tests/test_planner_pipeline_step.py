@@ -16,7 +16,7 @@ ARGS = dict(dp=1, data_parallel=None, sequence_parallel=False, seq=8, e=4)
 def _counts(items):
     out = {}
     for i in items:
-        if i.where not in PER_STEP:
+        if i.where not in PER_STEP and not i.where.startswith("pipeline."):
             key = (i.op, i.where, i.phase, i.payload_bytes)
             out[key] = out.get(key, 0) + i.count
     return out
@@ -32,11 +32,16 @@ def test_the_stages_tp_items_add_up_to_the_unpipelined_step():
     assert summed == _counts(whole)
     assert [(i.where, i.payload_bytes) for i in ranks[0] if i.where in PER_STEP] == [("train_step", 16),
                                                                                       ("clip_grad_norm", 8)]
+    # the hidden states' tp slices made whole: on the receiver in forward, on the sender in backward
+    whole = 2 * 8 * 8 * 4
+    gathers = [[(i.op, i.where, i.phase, i.payload_bytes) for i in r if i.where.startswith("pipeline.")] for r in ranks]
+    assert gathers == [[("all_gather", "pipeline.activation_grad", "backward", whole)],
+                       [("all_gather", "pipeline.activation", "forward", whole)]]
 
 
 def test_point_to_point_loss_and_clipping_over_pp():
     inv = TemplateSource(LLAMA).at(2)
-    n = 2 * 8 * 8 * 4  # (b = 4 sequences / 2 microbatches, s, h) in fp32
+    n = 2 * 8 * 8 * 4 // 2  # (b = 4 sequences / 2 microbatches, s, h) in fp32: each tp rank's half of h
     first, last = (pipeline_step(inv, pp=2, batch=4, schedule="GPipe", microbatches=2, pp_rank=r, **ARGS)["pp"]
                    for r in (0, 1))
     assert [(i.op, i.where, i.phase, i.payload_bytes, i.bytes_sent_per_rank, i.count) for i in first] == [
@@ -47,7 +52,7 @@ def test_point_to_point_loss_and_clipping_over_pp():
     assert [(i.op, i.where) for i in last[:2]] == [("recv", "pipeline.activation"), ("send", "pipeline.activation_grad")]
     assert last[2].bytes_sent_per_rank == (8,)
     sp = pipeline_step(inv, pp=2, batch=4, microbatches=2, pp_rank=0, **{**ARGS, "sequence_parallel": True})["pp"]
-    assert sp[0].payload_bytes == n // 2  # each tp rank sends its sequence chunk
+    assert sp[0].payload_bytes == n  # each tp rank sends its sequence chunk: as many bytes as its slice
 
 
 def test_tied_embedding_and_the_v():

@@ -9,6 +9,12 @@ point-to-point transfers). Each one a step's schedule issues is recorded in the 
 for their gradients;
 the one-off exchanges of the first step (neighbour handshakes, shape inference) are not.
 
+Between stages each tp rank sends only its ``1 / tp`` slice of the hidden states (when they are
+whole on every tp rank, without sequence parallelism, and the hidden size divides by tp): the
+receiving stage all-gathers the slices over tp (:func:`receive_chunk`), and in backward the
+gradient's slices go back and are all-gathered on the sending stage (:func:`send_chunk`):
+Megatron-LM's scatter/gather, ``b s h / tp`` bytes sent per rank instead of ``b s h``.
+
 The loss of a microbatch is its tokens' summed cross-entropy divided by the token count of the
 whole (per dp rank) batch, and the schedule does not rescale (``scale_grads=False``): the
 gradients the schedule accumulates are then those of the batch's mean loss exactly as one
@@ -29,7 +35,47 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from tensorpar.architecture import pipeline as arch
 from tensorpar.distributed import collectives, groups
-from tensorpar.distributed.ledger import active_ledger
+from tensorpar.distributed.ledger import active_ledger, ledger_for_backward
+
+
+class _SendChunk(torch.autograd.Function):
+    """Forward: this tp rank's slice of the hidden dim of the stage's (tp-replicated) output, the
+    part it sends. Backward: the slices of its gradient each tp rank received, all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.led = group, active_ledger()
+        return collectives.split_own(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.all_gather(grad.contiguous(), grad.dim() - 1, ctx.group, phase="backward",
+                                      module="pipeline.activation_grad", record_to=ledger_for_backward(ctx.led)), None
+
+
+class _ReceiveChunk(torch.autograd.Function):
+    """Forward: the slices the previous stage's tp ranks sent, all-gathered into the whole hidden
+    states. Backward: this rank's slice of their (tp-replicated) gradient, the part it sends back."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return collectives.all_gather(x.contiguous(), x.dim() - 1, group, module="pipeline.activation")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.split_own(grad, grad.dim() - 1, ctx.group), None
+
+
+def send_chunk(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """What a stage sends of hidden states every tp rank holds whole: this rank's ``1 / tp`` of
+    them (Megatron-LM's scatter/gather between stages, Narayanan et al. 2021, Sec. 4.1)."""
+    return _SendChunk.apply(x, tp_group)
+
+
+def receive_chunk(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """The whole hidden states from the slices the previous stage's tp ranks sent."""
+    return _ReceiveChunk.apply(x, tp_group)
 
 
 def schedule_class(name: str):

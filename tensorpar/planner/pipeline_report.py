@@ -4,8 +4,9 @@ point-to-point bytes at each stage boundary, and the schedule's bubble (standard
 
 What crosses a boundary is what tensorpar's runtime sends (:mod:`tensorpar.sharding.pipelined`):
 per microbatch the hidden states, ``(b, s / t if sequence parallel else s, h)`` in the model's
-dtype, from stage ``k`` to ``k + 1`` in forward, and their gradient back in backward, sent by every
-tp rank (no scatter/gather). Two adjacent stages on one rank (the tip of a V) hand them over in
+dtype, from stage ``k`` to ``k + 1`` in forward, and their gradient back in backward; without
+sequence parallelism each tp rank sends its ``1 / t`` slice of the hidden dim (when ``h`` divides
+by ``t``) and the receiving stage all-gathers them over tp (Megatron-LM's scatter/gather). Two adjacent stages on one rank (the tip of a V) hand them over in
 memory. Activations in flight on a pipeline rank: the schedule's peak stage-microbatches alive
 (:func:`.schedules.microbatches_alive`) times the largest per-microbatch activations among the
 rank's stages (exact when they hold equal blocks, an upper bound otherwise).
@@ -22,9 +23,13 @@ from .stages import Stages, layers_of
 
 
 def boundary_bytes(hidden: int, layout: Layout, seq: int) -> int:
-    """Bytes one tp rank sends across a stage boundary per microbatch, each way."""
-    tokens = seq // layout.tp if layout.sequence_parallel else seq
-    return layout.micro_batch * tokens * hidden * layout.bytes_per_elem
+    """Bytes one tp rank sends across a stage boundary per microbatch, each way: its chunk of the
+    sequence under sequence parallelism, else its ``1 / tp`` slice of the hidden dim when it
+    divides (the receiver all-gathers the slices over tp), else the whole hidden states."""
+    t = layout.tp
+    tokens = seq // t if layout.sequence_parallel else seq
+    n = layout.micro_batch * tokens * hidden * layout.bytes_per_elem
+    return n // t if t > 1 and not layout.sequence_parallel and hidden % t == 0 else n
 
 
 def stage_bytes_per_microbatch(split: SplitModel, st: Stages, layout: Layout, seq: int, tp_rank: int) -> list:

@@ -14,7 +14,9 @@ sequences:
   clipping) once;
 - ``pp``: at every boundary to a stage on another rank, the hidden states
   ``(b, s / t if sequence parallel else s, h)`` in the model's dtype sent forward and their
-  gradient sent back: ``send`` (the payload) on the sender, ``recv`` (0 bytes) on the receiver;
+  gradient sent back, each tp rank's ``1 / t`` slice of the hidden dim when they are whole on every
+  tp rank (an all-gather over tp makes them whole again: in forward on the receiver, in backward
+  on the sender): ``send`` (the payload) on the sender, ``recv`` (0 bytes) on the receiver;
   the tied embedding's gradient (this rank's tp shard) all-reduced over the two ranks holding the
   first and the last stage, when they differ; the loss broadcast (8 bytes) from the last stage's
   rank; clipping's all-reduce of 8 bytes.
@@ -73,7 +75,8 @@ def pipeline_step(inv: ModelInventory, *, pp: int, dp: int, data_parallel: str |
         own = tuple(x for x in sites if st.of(x.module) == s)
         found, _ = step_items(replace(inv, sites=own), _Step("training", seq, "sharded", loss=s == st.pp - 1), b, e)
         tp_items += [replace(i, count=i.count * microbatches) for i in found]
-    tp_items = _merge(tp_items) + _tp_step_items(inv, clip)
+    tp_items = (_merge(tp_items + _slice_gathers(inv, st, mine, pp, name, b, seq, e, microbatches, sequence_parallel))
+                + _tp_step_items(inv, clip))
     dp_list = _dp_step(inv, st, mine, dp, data_parallel, e, tp_rank, clip) if data_parallel else []
     pp_list = _p2p_items(inv, st, mine, pp, name, b, seq, e, microbatches, sequence_parallel) \
         + _pp_step_items(inv, st, pp, pp_rank, name, e, tp_rank, clip)
@@ -141,8 +144,14 @@ def _numel(shape) -> int:
 
 
 def _p2p_items(inv, st, mine, pp, name, b, seq, e, m, sequence_parallel) -> list:
-    """Sends and receives of the hidden states and their gradients, ``m`` of each per boundary."""
-    n = b * (seq // inv.tp if sequence_parallel else seq) * inv.hidden * e
+    """Sends and receives of the hidden states and their gradients, ``m`` of each per boundary:
+    under sequence parallelism this tp rank's chunk of the sequence; else, when the hidden size
+    divides by tp, its slice of the hidden dim (Megatron-LM's scatter/gather: the tp all-gathers
+    that make them whole are :func:`_slice_gathers`); else the whole."""
+    t = inv.tp
+    n = b * (seq // t if sequence_parallel else seq) * inv.hidden * e
+    if _sliced(inv, sequence_parallel):
+        n //= t
     me = rank_of_stage(mine[0], pp, name)
 
     def other(s):
@@ -158,6 +167,33 @@ def _p2p_items(inv, st, mine, pp, name, b, seq, e, m, sequence_parallel) -> list
         out += [item("send", "activation", "forward")] if other(s + 1) else []
         out += [item("recv", "activation_grad", "backward")] if other(s + 1) else []
         out += [item("send", "activation_grad", "backward")] if other(s - 1) else []
+    return _merge(out)
+
+
+def _sliced(inv, sequence_parallel: bool) -> bool:
+    """Whether the stages send each tp rank's slice of the hidden states (the runtime's rule)."""
+    return inv.tp > 1 and not sequence_parallel and inv.hidden % inv.tp == 0
+
+
+def _slice_gathers(inv, st, mine, pp, name, b, seq, e, m, sequence_parallel) -> list:
+    """The tp all-gathers that make sliced hidden states whole: on the receiving stage in forward,
+    on the sending stage (their gradient) in backward, ``m`` of each per boundary to another rank."""
+    if not _sliced(inv, sequence_parallel):
+        return []
+    n, t = b * seq * inv.hidden * e, inv.tp
+    me = rank_of_stage(mine[0], pp, name)
+
+    def other(s):
+        return 0 <= s < st.pp and rank_of_stage(s, pp, name) != me
+
+    def item(what, phase):
+        return PredictedCollective("all_gather", f"pipeline.{what}", phase, t, n, (ring_bytes_sent("all_gather", n, t),),
+                                   m, "the tp ranks' slices made whole")
+
+    out = []
+    for s in mine:
+        out += [item("activation", "forward")] if other(s - 1) else []
+        out += [item("activation_grad", "backward")] if other(s + 1) else []
     return _merge(out)
 
 

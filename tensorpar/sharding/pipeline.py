@@ -160,7 +160,15 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     chunks = report.tp_size if sequence_parallel else 1
     canon = {id(p): n for n, p in model.named_parameters()}  # before the cut: a tied head's first name
     tied = {canon[id(p)] for p in _tied_params(model, anat)}
-    raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks) for i in indices]
+    slices = report.tp_size > 1 and not sequence_parallel and anat.hidden % report.tp_size == 0
+
+    def chunks_of(i):  # slices to and from a neighbouring stage on another rank (a V's tip is local)
+        def away(j):
+            return 0 <= j < len(ranges) and arch_pipeline.rank_of_stage(j, pp, schedule) != pp_rank
+        return (pipelining.send_chunk if away(i + 1) else None, pipelining.receive_chunk if away(i - 1) else None,
+                report.tp_group) if slices else None
+
+    raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks, tp_chunks=chunks_of(i)) for i in indices]
     # each stage's parameters by their name in it -> by their name in the whole model
     where = [{n: canon[id(p)] for n, p in st.model.named_parameters(remove_duplicate=False)} for st in raw]
     first, last = (arch_pipeline.rank_of_stage(s, pp, schedule) for s in (0, len(ranges) - 1))

@@ -119,6 +119,7 @@ class Anatomy:
     before: list = field(default_factory=list)  # [(name, stand-in factory)] registered and run before the blocks
     after: list = field(default_factory=list)   # [name] registered and run after them
     block_tuple: bool = False  # a block returns a tuple (hidden, ...) rather than a tensor
+    hidden: int = 0  # the width of the hidden states between blocks (the last dim of a block's output)
 
 
 def anatomy(model: nn.Module, ranges=None) -> Anatomy:
@@ -152,7 +153,7 @@ def anatomy(model: nn.Module, ranges=None) -> Anatomy:
         for h in hooks:
             h.remove()
     first_block, last_block = order.index(blist[0][0]), order.index(blist[-1][0])
-    out = Anatomy(stack_name, len(blist), block_tuple=shapes[blist[0][0]][2])
+    out = Anatomy(stack_name, len(blist), block_tuple=shapes[blist[0][0]][2], hidden=shapes[blist[0][0]][1].shape[-1])
     for name, registered_before in pieces:
         if name not in order:
             continue  # never runs in a causal LM's forward: held by the stage of its registration
@@ -275,10 +276,13 @@ class StageModule(nn.Module):
     hidden states and returns hidden states, or the logits (the last stage; with tensor
     parallelism this rank's vocabulary shard of them)."""
 
-    def __init__(self, skeleton: nn.Module, index: int, n_stages: int, box: dict, *, seq_chunks: int = 1):
+    def __init__(self, skeleton: nn.Module, index: int, n_stages: int, box: dict, *, seq_chunks: int = 1,
+                 tp_chunks=None):
         super().__init__()
         self.model = skeleton
         self.index, self.n_stages, self._box, self.seq_chunks = index, n_stages, box, seq_chunks
+        # (send, receive, tp group): the hidden states leave as this tp rank's slice and arrive whole
+        self._tp_chunks = tp_chunks
 
     @property
     def is_first(self) -> bool:
@@ -292,6 +296,8 @@ class StageModule(nn.Module):
         if self.is_first:
             ids = x
         else:  # (B, T, H), or under sequence parallelism this rank's (B, T / tp, H) chunk
+            if self._tp_chunks is not None and self._tp_chunks[1] is not None:
+                x = self._tp_chunks[1](x, self._tp_chunks[2])  # this rank's slice -> (B, T, H)
             self._box["hidden"] = x
             ids = torch.zeros((), dtype=torch.long, device=x.device).expand(x.shape[0], x.shape[1] * self.seq_chunks)
         head = self.model.get_output_embeddings() if self.is_last else None
@@ -301,6 +307,8 @@ class StageModule(nn.Module):
         try:
             return self.model(input_ids=ids, use_cache=False).logits
         except _Stopped as stop:
+            if self._tp_chunks is not None and self._tp_chunks[0] is not None:
+                return self._tp_chunks[0](stop.hidden, self._tp_chunks[2])  # (B, T, H / tp)
             return stop.hidden
         finally:
             self._box["hidden"] = None
@@ -308,8 +316,11 @@ class StageModule(nn.Module):
                 head.gather_output = True
 
 
-def build_stage(model: nn.Module, anat: Anatomy, index: int, ranges: list, *, seq_chunks: int = 1) -> StageModule:
-    """Stage ``index`` of ``model`` (``ranges[s] = (first block, end)`` of every stage)."""
+def build_stage(model: nn.Module, anat: Anatomy, index: int, ranges: list, *, seq_chunks: int = 1,
+                tp_chunks=None) -> StageModule:
+    """Stage ``index`` of ``model`` (``ranges[s] = (first block, end)`` of every stage); ``tp_chunks``:
+    ``(send, receive, tp group)`` when the hidden states travel between stages as tp slices (either
+    None where the neighbouring stage is on this rank: a V's tip hands them over whole)."""
     n_stages = len(ranges)
     start, end = ranges[index]
     first, last = index == 0, index == n_stages - 1
@@ -333,7 +344,7 @@ def build_stage(model: nn.Module, anat: Anatomy, index: int, ranges: list, *, se
     if not last:
         for name in anat.after:
             swaps[name] = _Elsewhere(name)
-    return StageModule(_skeleton(model, swaps), index, n_stages, box, seq_chunks=seq_chunks)
+    return StageModule(_skeleton(model, swaps), index, n_stages, box, seq_chunks=seq_chunks, tp_chunks=tp_chunks)
 
 
 def _skeleton(model: nn.Module, swaps: dict) -> nn.Module:
