@@ -47,6 +47,7 @@ LEDGER_LAYOUTS = [
     (2, 2, 1, "1F1B", 2, "llama", {"dp": "fsdp"}),
     (2, 1, 2, "Interleaved1F1B", 2, "llama", {"virtual": 2}),
     (2, 2, 1, "ZBVZeroBubble", 2, "gpt2", {"dp": "ddp"}),  # a V: the tied pieces on one rank, the tip local
+    (2, 1, 2, "ZBVZeroBubble", 2, "gpt2"),               # split backward at tp 2: every all-reduce once
     (4, 1, 1, "1F1B", 4, "llama"),
 ]
 

@@ -40,6 +40,8 @@ MUTANTS = [
     M("[pipeline] the planner sends the whole hidden states from every tp rank (the runtime sends slices)",
       "planner/pipeline_step.py", "return inv.tp > 1 and not sequence_parallel and inv.hidden % inv.tp == 0",
       "return False", (PIPE, "-k", "planner_equals_the_ledger")),
+    M("[pipeline] zero-bubble schedules keep the fused linear + all-reduce node (its all-reduce runs twice)",
+      "sharding/pipeline.py", "mod.fuse_grad_allreduce = False", "pass", (PIPE, "-k", "planner_equals_the_ledger")),
     M("[pipeline] microbatches that do not divide the batch run anyway", "sharding/pipelined.py",
       "if input_ids.dim() != 2 or input_ids.shape[0] % self.microbatches:", "if False:",
       (PIPE, "-k", "cannot_run")),

@@ -17,6 +17,8 @@ SINGLE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 SCHEDULES = SINGLE + LOOPED + V_SHAPED
+# schedules whose backward runs in two passes, input gradients then weight gradients (Qi et al. 2024)
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def schedule_name(name: str) -> str:

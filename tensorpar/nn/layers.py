@@ -91,12 +91,19 @@ class ColumnParallelLinear(nn.Module):
       overlap of Megatron-LM's async all-reduce); with ``sequence_parallel`` a reduce-scatter
       of dX instead ((p-1)/p * N_X).
 
+    ``fuse_grad_allreduce`` (an attribute, True by default): the input copy and the linear are
+    one autograd node, whose backward overlaps dX's all-reduce with dW; False keeps them two nodes,
+    for a backward split into an input pass and a weight pass (the zero-bubble pipeline schedules),
+    whose weight pass would otherwise run the fused node, all-reduce included, a second time.
+
     ``skip_input_comm=True``: the caller has already entered the tensor-parallel region (one
     copy or sequence gather shared by several column-parallel linears, as in ParallelMLP) and
     owns the backward reduction. ``pad_out_features=True`` pads an out_features that does not
     divide by p (docs/architecture.md rule); padded outputs are zero and a gathered output is
     trimmed back to out_features.
     """
+
+    fuse_grad_allreduce = True  # see the class docstring
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group=None,
                  gather_output: bool = False, sequence_parallel: bool = False,
@@ -168,7 +175,7 @@ class ColumnParallelLinear(nn.Module):
         check_dtype(x, self.weight, type(self).__name__)
         if self.sequence_parallel and not self.skip_input_comm:
             check_sequence_input(x, type(self).__name__)
-        if self.skip_input_comm or self.sequence_parallel:
+        if self.skip_input_comm or self.sequence_parallel or not self.fuse_grad_allreduce:
             y_shard = F.linear(self._enter(x), self.weight, self.bias)  # (..., out/p)
         else:  # f fused in: backward overlaps the all-reduce of dX with dW
             y_shard = dist.linear_with_grad_allreduce(x, self.weight, self.bias, self.tp_group)

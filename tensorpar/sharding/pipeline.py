@@ -169,6 +169,10 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
                 report.tp_group) if slices else None
 
     raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks, tp_chunks=chunks_of(i)) for i in indices]
+    if schedule in arch_pipeline.SPLIT_BACKWARD:  # a fused linear + all-reduce node would run twice
+        for mod in model.modules():
+            if isinstance(mod, ColumnParallelLinear):
+                mod.fuse_grad_allreduce = False
     # each stage's parameters by their name in it -> by their name in the whole model
     where = [{n: canon[id(p)] for n, p in st.model.named_parameters(remove_duplicate=False)} for st in raw]
     first, last = (arch_pipeline.rank_of_stage(s, pp, schedule) for s in (0, len(ranges) - 1))
