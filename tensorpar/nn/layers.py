@@ -175,7 +175,8 @@ class ColumnParallelLinear(nn.Module):
         check_dtype(x, self.weight, type(self).__name__)
         if self.sequence_parallel and not self.skip_input_comm:
             check_sequence_input(x, type(self).__name__)
-        if self.skip_input_comm or self.sequence_parallel or not self.fuse_grad_allreduce:
+        # (getattr: a subclass's forward built from this one may run on a module of another class)
+        if self.skip_input_comm or self.sequence_parallel or not getattr(self, "fuse_grad_allreduce", True):
             y_shard = F.linear(self._enter(x), self.weight, self.bias)  # (..., out/p)
         else:  # f fused in: backward overlaps the all-reduce of dX with dW
             y_shard = dist.linear_with_grad_allreduce(x, self.weight, self.bias, self.tp_group)

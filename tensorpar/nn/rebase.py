@@ -53,6 +53,10 @@ class _ColumnShard(nn.Linear):
         return ColumnParallelLinear.forward(self, x)
 
 
+# every module whose forward is ColumnParallelLinear's (its own, or a rebased subclass's super())
+COLUMN_FORWARDS = (ColumnParallelLinear, _ColumnShard)
+
+
 def _rebase(module, mixin, prefix: str):
     """A new instance of ``<prefix><Class>(Class, mixin)`` carrying ``module``'s attributes, buffers,
     submodules and parameters (the caller replaces the ones it splits by this rank's shards)."""

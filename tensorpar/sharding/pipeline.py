@@ -34,6 +34,7 @@ from tensorpar.architecture.plans import generic
 from tensorpar.distributed import dp_engines
 from tensorpar.nn import ColumnParallelLinear, ReplicatedHeadLinear, RowParallelLinear, VocabParallelEmbedding
 from tensorpar.nn.layers import tp_info
+from tensorpar.nn.rebase import COLUMN_FORWARDS
 from tensorpar.architecture import pipeline as arch_pipeline
 from tensorpar.distributed import pipelining
 from tensorpar.sharding import marks, pipelined, probes, sequence, stage_cut
@@ -171,7 +172,7 @@ def _pipelined(model, mesh, data_parallel, sequence_parallel, cut, microbatches)
     raw = [stage_cut.build_stage(model, anat, i, ranges, seq_chunks=chunks, tp_chunks=chunks_of(i)) for i in indices]
     if schedule in arch_pipeline.SPLIT_BACKWARD:  # a fused linear + all-reduce node would run twice
         for mod in model.modules():
-            if isinstance(mod, ColumnParallelLinear):
+            if isinstance(mod, COLUMN_FORWARDS):
                 mod.fuse_grad_allreduce = False
     # each stage's parameters by their name in it -> by their name in the whole model
     where = [{n: canon[id(p)] for n, p in st.model.named_parameters(remove_duplicate=False)} for st in raw]
