@@ -12,14 +12,12 @@ import atexit
 import functools
 import tempfile
 
-from collections import Counter
-
 import pytest
 
 from tensorpar import distributed as dist
 from tensorpar.planner.pipeline_step import pipeline_state_bytes, pipeline_step
-from tensorpar.planner.runtime import generic_name
 from tests import _pipeline_workers as W
+from tests.test_planner_mesh import _predicted, _recorded  # the ledger's and the plan's calls, counted alike
 
 TOL = 1e-12
 LAYOUTS = [
@@ -135,18 +133,6 @@ def _inventory(name: str, tp: int):
     from tensorpar.sharding.inventory import build_inventory
     arch, sizes = W.MODELS[name]
     return build_inventory(make_tiny_config(arch, **sizes), tp)
-
-
-def _recorded(records, dim) -> Counter:
-    return Counter((op, generic_name(module) or "cross_entropy", phase, payload)
-                   for g, op, module, phase, payload, _ in records if g == dim)
-
-
-def _predicted(items) -> Counter:
-    out = Counter()
-    for i in items:
-        out[(i.op, i.where, i.phase, i.payload_bytes)] += i.count
-    return out
 
 
 @pytest.mark.parametrize("layout", LEDGER_LAYOUTS, ids=lambda lay: "-".join(str(x) for x in lay[:6]) +
