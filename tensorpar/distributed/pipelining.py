@@ -91,26 +91,21 @@ class _RecordedStage(PipelineStage):
 
     busy_s = 0.0
 
-    def forward_one_chunk(self, *args, **kwargs):
+    def _timed(self, work, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return super().forward_one_chunk(*args, **kwargs)
+            return work(*args, **kwargs)
         finally:
             self.busy_s += time.perf_counter() - t0
+
+    def forward_one_chunk(self, *args, **kwargs):
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - t0
+        return self._timed(super().backward_one_chunk, *args, **kwargs)
 
     def backward_weight_one_chunk(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.busy_s += time.perf_counter() - t0
+        return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
     def _recorded(self, ops, phase: str):
         led = active_ledger()

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import Counter
 import resource
 import socket
 import time
@@ -44,7 +43,7 @@ from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.data import batch_for_step, open_tokens
 from tensorpar.distributed import dp_engines
-from tensorpar.jobs import train_checks as checks
+from tensorpar.jobs import train_checks as checks, train_plan
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers, vocab_size)
 from tensorpar.jobs.relay import Relay
@@ -52,9 +51,6 @@ from tensorpar.jobs.train_checks import ZERO
 from tensorpar.models.saving import export, load, save
 from tensorpar.models.tiny import make_tiny_checkpoint
 from tensorpar.models.training import train_step
-from tensorpar.planner.mesh import mesh_step, state_bytes
-from tensorpar.planner.pipeline_step import pipeline_state_bytes, pipeline_step
-from tensorpar.planner.runtime import generic_name
 from tensorpar.plots import plot_losses
 
 TINY_MODEL = "tiny-llama"  # the folder under ``out`` of the model made when none is given
@@ -224,10 +220,10 @@ def train_worker(spec: dict, tokens, sink) -> dict:
     recorded = None
     for step in range(start + 1, spec["steps"] + 1):
         ids = batch_for_step(tokens, step, spec["batch"], spec["seq"], spec["seed"], rows).to(device)  # (B/dp, T)
-        if step == _ledger_step(start, spec["steps"]):  # past the first step's one-off exchanges
+        if step == train_plan.ledger_step(start, spec["steps"]):  # past the first step's one-off exchanges
             with dist.ledger(model) as led:
                 history.append(_step(model, opt, ids, step, spec))
-            recorded = {"step": step, "records": _by_dimension(led, mesh, model)}
+            recorded = {"step": step, "records": train_plan.by_dimension(led, mesh, model)}
         else:
             history.append(_step(model, opt, ids, step, spec))
         memory = dist.all_gather_object(held_bytes(model, opt, device)) if step == start + 1 else None
@@ -249,24 +245,6 @@ def train_worker(spec: dict, tokens, sink) -> dict:
     return {"history": history, "memory": held_bytes(model, opt, device), "checkpoints": saved,
             "start": start, "transport": dist.transport(None), "stopped": stopped, "ledger": recorded,
             "coords": {k: mesh[k].get_local_rank() for k in mesh.mesh_dim_names}}
-
-
-def _ledger_step(start: int, steps: int) -> int:
-    """The step the ledger records: the run's third, past the one-off exchanges of the first two
-    (the pipeline's shape inference in the first, DDP's rebuilt buckets broadcast in the second),
-    or its last when it runs fewer (its report then lists those exchanges as unplanned calls)."""
-    return min(start + 3, steps)
-
-
-def _by_dimension(led, mesh, model) -> list:
-    """``[(mesh dimension, op, module pattern, phase, payload bytes, bytes sent)]`` of the ledger's
-    records (a pipeline's tied-embedding group counted as pp)."""
-    names = {mesh[k].get_group().group_name: k for k in mesh.mesh_dim_names}
-    tied = getattr(model, "_tied_group", None)
-    if tied is not None:
-        names[tied.group_name] = "pp"
-    return [(names.get(r.group, r.group), r.op, generic_name(r.module) or "cross_entropy", r.phase,
-             r.payload_bytes, r.bytes_sent) for r in led.records]
 
 
 def _step(model, opt, ids, step: int, spec: dict) -> dict:
@@ -358,73 +336,14 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
         seed=cfg.seed, start_step=rank0["start"], steps=cfg.steps, step_numbers=[h["step"] for h in hist],
         losses=[h["loss"] for h in hist], grad_norms=[h["grad_norm"] for h in hist],
         tokens_per_s=[h["tokens_per_s"] for h in hist],
-        memory_per_rank=_with_plan(cfg, plan["inventory"], per_rank, plan["pipeline"]),
-        communication_per_rank=_communication(cfg, plan, per_rank),
+        memory_per_rank=train_plan.with_plan(cfg, plan["inventory"], per_rank, plan["pipeline"]),
+        communication_per_rank=train_plan.communication(cfg, plan, per_rank),
         checkpoints=rank0["checkpoints"], resumed_from=spec["resume"], export=spec["export"], png=None,
         out=str(plan["out"]))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process holds the report: one figure
         report.png = plot_losses(report.step_numbers, report.losses, str(plan["out"] / "loss.png"),
                                  title=_title(report))
     return report
-
-
-def _with_plan(cfg: TrainConfig, inv, per_rank: list, pipe: dict | None) -> list:
-    """Each rank's memory with the planner's figure for the same rank beside it
-    (:func:`tensorpar.planner.mesh.state_bytes` over the model's inventory: parameters, gradients and
-    AdamW's two moments; the measured optimizer bytes also hold AdamW's step counters)."""
-    e = DTYPES[cfg.dtype].itemsize
-    out = []
-    for r in per_rank:
-        m, c = r["memory"], r["coords"]
-        if pipe is not None:
-            planned = pipeline_state_bytes(inv, pp=cfg.pp, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e,
-                                           schedule=pipe["schedule"], virtual=pipe["virtual_stages"],
-                                           pp_rank=c["pp"], tp_rank=c["tp"], dp_rank=c["dp"])
-        else:
-            planned = state_bytes(inv, dp=cfg.dp, data_parallel=ZERO[cfg.zero], e=e, tp_rank=c["tp"], dp_rank=c["dp"])
-        out.append({**m, "planned_state_bytes": planned["total"], "planned": planned})
-    return out
-
-
-def _sent_by(item, rank: int) -> float:
-    """Bytes group rank ``rank`` sends for ``item`` (one figure when every rank sends as many)."""
-    per = item.bytes_sent_per_rank
-    return (per[rank] if len(per) > 1 else per[0]) * item.count
-
-
-def _communication(cfg: TrainConfig, plan: dict, per_rank: list) -> list:
-    """Each rank's collectives and transfers of the recorded step beside the planner's prediction
-    for the same rank (:func:`tensorpar.planner.mesh.mesh_step`, or
-    :func:`tensorpar.planner.pipeline_step.pipeline_step` with pipeline stages), call by call:
-    ``equal`` when every (dimension, op, module, phase, payload) has the same count."""
-    inv, e = plan["inventory"], DTYPES[cfg.dtype].itemsize
-    pipe = plan["pipeline"]
-    out = []
-    for r in per_rank:
-        if r["ledger"] is None:
-            continue
-        c = r["coords"]
-        common = dict(dp=cfg.dp, data_parallel=ZERO[cfg.zero], sequence_parallel=cfg.sequence_parallel,
-                      batch=cfg.batch, seq=cfg.seq, e=e, tp_rank=c["tp"], clip=True)
-        if pipe is None:
-            predicted = mesh_step(inv, **common)
-        else:
-            predicted = pipeline_step(inv, pp=cfg.pp, schedule=pipe["schedule"], microbatches=pipe["microbatches"],
-                                      virtual=pipe["virtual_stages"], pp_rank=c["pp"], **common)
-        want = Counter()
-        for dim, items in predicted.items():
-            for i in items:
-                want[(dim, i.op, i.where, i.phase, i.payload_bytes)] += i.count
-        got = Counter((d, op, where, phase, payload) for d, op, where, phase, payload, _ in r["ledger"]["records"]
-                      if d in ("tp", "dp", "pp"))
-        sent = sum(b for *_, b in r["ledger"]["records"])
-        planned = sum(_sent_by(i, c[dim]) for dim, items in predicted.items() for i in items)
-        out.append({"rank": r["memory"]["rank"], "step": r["ledger"]["step"], "calls": sum(got.values()),
-                    "planned_calls": sum(want.values()), "bytes_sent": sent, "planned_bytes_sent": planned,
-                    "equal": got == want,
-                    "only_recorded": [list(k) + [n] for k, n in (got - want).items()],
-                    "only_planned": [list(k) + [n] for k, n in (want - got).items()]})
-    return out
 
 
 def _title(report: TrainReport) -> str:
