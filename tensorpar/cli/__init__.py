@@ -13,12 +13,12 @@ import os
 import sys
 
 from tensorpar import __version__
-from tensorpar.cli import bench, demo, plan, run, serve, train, verify
+from tensorpar.cli import bench, calibrate, demo, plan, run, serve, train, verify
 from tensorpar.cli.errors import fail, one_line
 
 # Sub-commands in the order `--help` lists them; each is a module tensorpar/cli/<name>.py, imported
 # above: its parser only (argparse, no torch, no numpy); it loads its job when it runs.
-SUBCOMMANDS = ("run", "train", "verify", "plan", "bench", "serve", "demo")
+SUBCOMMANDS = ("run", "train", "verify", "plan", "calibrate", "bench", "serve", "demo")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 from tensorpar.bench import summary
+from tensorpar.planner.profile import load
 from tensorpar.cli.progress import Phases
 
-SUITES = ("mlp", "models", "decode", "train", "pipeline", "serve")
+SUITES = ("mlp", "models", "decode", "train", "pipeline", "serve", "estimates")
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,9 @@ def add_parser(sub) -> None:
                    "~0.6M parameters, batches 1 and 2, 8 tokens, the train suite's Llama at ~0.6M parameters, "
                    "4x32 tokens, 2 saves and loads, the pipeline suite's Llama at ~0.6M parameters, 4x32 tokens, the serve suite's Llama at hidden 128 and 2 layers, loads of 1 and 8 streams, "
                    "4-8 tokens a request")
+    p.add_argument("--profile", metavar="FILE", default="bench/out/profile.json",
+                   help="this machine's hardware profile for the estimates suite (written by tensorpar calibrate; "
+                        "measured first when the file does not exist; default bench/out/profile.json)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=main)
 
@@ -114,6 +118,26 @@ def _run(args, suites, out, phase):
         results["serve"], tables["serve"] = rows, serve_table(rows)
         (out / "serve.md").write_text(serve_page(rows, _command("serve", args)))
         files.append(out / "serve.md")
+    if "estimates" in suites:
+        from tensorpar.bench.calibrate import QUICK as CALIBRATE_QUICK
+        from tensorpar.bench.estimates import QUICK as ESTIMATES_QUICK
+        from tensorpar.bench.estimates import estimates_table, run_estimates_bench
+
+        given = Path(args.profile).is_file()
+        profile = load(args.profile) if given else None
+        source = args.profile if given else f"this launch's calibration (written to {args.profile})"
+        with phase(f"estimates suite: training steps (tp 2, dp 2, pp 2), decode and prefill beside the planner's "
+                   f"estimates from {source}"):
+            rows, profile = run_estimates_bench(profile, max(3, args.repeats // 2),
+                                                calibration=CALIBRATE_QUICK if args.quick else None,
+                                                **(ESTIMATES_QUICK if args.quick else {}))
+        if not given:
+            Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+            profile.save(args.profile)
+        results["estimates"], tables["estimates"] = rows, estimates_table(rows)
+        (out / "estimates.md").write_text(f"`{_command('estimates', args)}`, profile: {profile.name} "
+                                          f"({profile.measured.get('at', '')})\n\n" + tables["estimates"])
+        files.append(out / "estimates.md")
     files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
 

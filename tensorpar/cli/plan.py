@@ -26,7 +26,9 @@ from tensorpar.cli import progress
 from tensorpar.planner import hfconfig
 from tensorpar.architecture.pipeline import SCHEDULES
 from tensorpar.planner.layout import DTYPE_BYTES, OPTIMIZERS, RECOMPUTE, WORKLOADS, ZERO_STAGES
+from tensorpar.planner.profile import hardware_or_profile, published, with_latency
 from tensorpar.planner.search import tp_sweep
+from tensorpar.planner.tp_search import search_tp
 
 SHAPES = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "head_dim")
 REQUIRED = ("family", "layers", "hidden", "heads", "vocab", "seq")
@@ -63,7 +65,9 @@ def add_parser(subparsers) -> None:
                           "default) or adamw (moments in the model dtype, as tensorpar train keeps them)")
     lay.add_argument("--workload", choices=WORKLOADS, default="train")
     hw = p.add_argument_group("hardware (a preset, optionally overridden)")
-    hw.add_argument("--hardware", default="a100-80gb", help=f"preset: {', '.join(planner.HARDWARE_PRESETS)}")
+    hw.add_argument("--hardware", default="a100-80gb", help=f"preset ({', '.join(planner.HARDWARE_PRESETS)}; estimates "
+                    "from public figures) or a profile FILE written by tensorpar calibrate (estimates from this "
+                    "machine's measured rates)")
     hw.add_argument("--peak-tflops", type=float, help="dense bf16 peak, TFLOP/s")
     hw.add_argument("--hbm-gbps", type=float, help="HBM bandwidth, GB/s")
     hw.add_argument("--memory-gb", type=float, help="device memory, GB")
@@ -77,8 +81,13 @@ def add_parser(subparsers) -> None:
     o.add_argument("--kv-link", default="inter-node", help="link for the KV transfer time: inter-node, "
                    "intra-node, a preset link name, or GB/s (default inter-node)")
     o.add_argument("--kv-tokens", type=int, help="tokens of KV cache to transfer (default micro-batch x seq)")
-    o.add_argument("--collective-latency-us", type=float, default=10.0,
-                   help="latency per collective in the estimates, never in the bounds (default 10)")
+    o.add_argument("--search-tp", action="store_true",
+                   help="inference: decode latency, tokens/s and prefill at every valid tp up to --max-tp, and where "
+                        "adding ranks stops paying (collective latency against the work each rank saves)")
+    o.add_argument("--max-tp", type=int, help="largest tp --search-tp tries (default: the devices of one node)")
+    o.add_argument("--collective-latency-us", type=float, default=None,
+                   help="latency per collective in the estimates, never in the bounds (default: the hardware "
+                        "profile's own: 10 us in a node and 20 us across nodes for a preset, measured for a FILE)")
     o.add_argument("--plot", metavar="PATH", help="write a PNG of memory and communication against tp")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--inventory", action="store_true",
@@ -156,8 +165,10 @@ def check_hardware_flags(args) -> None:
 
 
 def build_hardware(args) -> planner.Hardware:
+    """The hardware of the bounds; ``args.profile`` becomes the estimates' profile (a calibrated
+    FILE's, else None: the preset's published figures)."""
     check_hardware_flags(args)
-    base = planner.get_hardware(args.hardware)
+    base, args.profile = _hardware_or_profile(args.hardware)
     if args.intra_node_link is not None and args.intra_node_link not in base.links:
         raise ValueError(f"--intra-node-link ({args.intra_node_link!r}) must be one of {base.name}'s links: "
                          f"{', '.join(base.links)}")
@@ -170,6 +181,12 @@ def build_hardware(args) -> planner.Hardware:
         intra_node_bytes_per_s=None if args.intra_node_gbps is None else args.intra_node_gbps * g,
         inter_node_bytes_per_s=None if args.inter_node_gbps is None else args.inter_node_gbps * g,
         intra_node_link=args.intra_node_link, devices_per_node=args.devices_per_node)
+
+
+def _hardware_or_profile(text: str):
+    """A preset (its estimates from public figures: None here) or a profile file (its own)."""
+    hw, prof = hardware_or_profile(text)
+    return hw, prof if (text.endswith(".json") or Path(text).is_file()) else None
 
 
 def layout_options(args) -> dict:
@@ -204,8 +221,10 @@ def kv_link(value: str):
     return gbps * 1e9
 
 
-def latency_s(args) -> float:
+def latency_s(args) -> float | None:
     us = args.collective_latency_us
+    if us is None:
+        return None
     if not 0 <= us < math.inf:
         raise ValueError(f"--collective-latency-us ({us:g}) must be a finite number >= 0")
     return us * 1e-6
@@ -218,8 +237,15 @@ def main(args) -> int:
     if args.search and args.microbatches is not None:
         raise ValueError("--microbatches depends on each layout's dp; with --search give --global-batch (the "
                          "same for every layout)")
-    layout = None if args.search else _layout(args)
+    if args.search and args.search_tp:
+        raise ValueError("--search and --search-tp: choose one (--search lays out devices, --search-tp sweeps tp "
+                         "for inference)")
+    if args.search_tp and args.workload != "inference":
+        raise ValueError(f"--search-tp estimates decoding: it needs --workload inference, not {args.workload!r}")
+    layout = None if (args.search or args.search_tp) else _layout(args)
     model = model_source(args)
+    if args.search_tp:
+        return _search_tp(args, model, hardware)
     with progress.Phases(quiet=args.json) as phase:
         if args.search:
             with phase(f"searching tp x pp x dp over {args.devices} devices"):
@@ -227,7 +253,7 @@ def main(args) -> int:
         else:
             with phase(f"planning tp={layout.tp} pp={layout.pp} dp={layout.dp}"):
                 result = planner.plan(model, layout, hardware, kv_link=kv_link(args.kv_link), kv_tokens=args.kv_tokens,
-                                latency_s=latency_s(args))
+                                      latency_s=latency_s(args), profile=args.profile)
     if args.plot:
         _plot(args, model, hardware, result)
     if isinstance(result, planner.SearchResult):
@@ -237,6 +263,32 @@ def main(args) -> int:
     else:
         print_result(result)
     return 0 if _feasible(result) else 1
+
+
+def _search_tp(args, model, hardware) -> int:
+    if args.max_tp is not None and args.max_tp < 1:
+        raise ValueError(f"--max-tp ({args.max_tp}) must be a positive integer")
+    profile = args.profile
+    if args.collective_latency_us is not None:
+        profile = with_latency(profile or published(hardware), latency_s(args))
+    result = search_tp(model, hardware, profile=profile, micro_batch=args.micro_batch, seq=args.seq,
+                       dtype=args.dtype, max_tp=args.max_tp)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        console = progress.console(highlight=False)
+        t = _table(f"decode at each tp on {result.hardware} (estimates from {result.profile}), batch "
+                   f"{result.micro_batch}, context {result.context}", "tp", "fits", "decode/token", "tokens/s",
+                   "lower bound", "work", "collectives", "prefill", "memory/device")
+        for r in result.rows:
+            t.add_row(str(r["tp"]), "yes" if r["feasible"] else "[red]no[/]", _s(r["decode_time_per_token_s"]),
+                      f"{r['decode_tokens_per_s']:,.0f}" if r["decode_tokens_per_s"] else "", _s(r["decode_lower_bound_s"]),
+                      _s(r["work_s"]), _s(r["collectives_s"]), _s(r["prefill_time_s"]),
+                      _bytes(r["memory_per_device_bytes"]) if r["memory_per_device_bytes"] else "")
+        console.print(t)
+        for line in result.explanation:
+            console.print(f"- {line}")
+    return 0 if result.best is not None else 1
 
 
 def _layout(args) -> planner.Layout:
@@ -283,8 +335,8 @@ def _feasible(result) -> bool:
 
 def run_search(args, model, hardware) -> planner.SearchResult:
     return planner.search(model, hardware, devices=args.devices, micro_batch=args.micro_batch,
-                    global_batch=args.global_batch, workload=args.workload, latency_s=latency_s(args),
-                    **layout_options(args))
+                          global_batch=args.global_batch, workload=args.workload, latency_s=latency_s(args),
+                          profile=args.profile, **layout_options(args))
 
 
 def _plot(args, model, hardware, result) -> None:
@@ -454,28 +506,44 @@ def _pipeline_table(p):
 
 
 def _time_table(r):
-    title = "time: lower bounds (no system beats them) and estimates (not bounds)"
+    e = r.estimates
+    title = (f"time: lower bounds (no system beats them) and estimates (not bounds; {e['profile']}, "
+             f"{e['runtime']} runtime)")
     if r.layout["workload"] != "train":
         title += (f"; here a step is the prefill of the global batch, {r.layout['global_batch']} x "
                   f"{r.model['seq']} tokens")
-    t = _table(title, "bound", "lower bound", "estimate")
-    e, by = r.estimates, r.comm_time_lower_bound_by_link
-    t.add_row("compute per step", _s(r.compute_time_lower_bound_s), "")
+    t = _table(title, "figure", "lower bound", "estimate", "largest term of the estimate")
+    by = r.comm_time_lower_bound_by_link
+    step = e["step"]
+    t.add_row("compute per step", _s(r.compute_time_lower_bound_s),
+              _s(sum(step["terms"].get(k, 0.0) for k in ("gemm_s", "attention_s", "elementwise_s"))), "")
     t.add_row(f"communication per step (intra {_s(by['intra_node_s'])}, inter {_s(by['inter_node_s'])})",
-              _s(r.comm_time_lower_bound_s), _s(e["comm_time_s"]))
+              _s(r.comm_time_lower_bound_s), _s(e["comm_time_s"]), "")
     t.add_row(f"step (pipeline bubble {e['pipeline_bubble_fraction']:.0%} in the estimate)",
-              _s(r.step_time_lower_bound_s), _s(e["step_time_s"]))
+              _s(r.step_time_lower_bound_s), _s(e["step_time_s"]), _dominant(step))
     ceiling, m = r.decode_steps_per_s_upper_bound, r.model
     label = f"decode per token, context {m['seq']}"
     if m["sliding_window"] is not None:
         label += f" (window {m['sliding_window']} in {m['window_layers']} of {m['layers']} layers)"
     t.add_row(label + (f" (<= {ceiling:,.0f} steps/s)" if ceiling else ""),
-              _s(r.decode_time_per_token_lower_bound_s), _s(e["decode_time_per_token_s"]))
-    t.add_row(f"prefill of {r.model['seq']} tokens x {r.layout['micro_batch']}", _s(r.prefill_time_lower_bound_s), "")
+              _s(r.decode_time_per_token_lower_bound_s), _s(e["decode_time_per_token_s"]), _dominant(e["decode"]))
+    t.add_row(f"prefill of {r.model['seq']} tokens x {r.layout['micro_batch']}", _s(r.prefill_time_lower_bound_s),
+              _s(e["prefill_time_s"]), _dominant(e["prefill"]))
     kv = r.kv_transfer
     t.add_row(f"KV transfer, {kv['tokens']:,} tokens ({_bytes(kv['bytes_per_device'])}/device) over {kv['link']}",
-              _s(r.kv_transfer_time_lower_bound_s), "")
+              _s(r.kv_transfer_time_lower_bound_s), "", "")
     return t
+
+
+def _dominant(part: dict | None) -> str:
+    """The estimate's largest term and its share (``gemm_s`` -> ``matmuls 71%``)."""
+    if not part or not part.get("dominant"):
+        return ""
+    names = {"gemm_s": "matmuls", "attention_s": "attention", "elementwise_s": "elementwise", "fixed_s": "fixed costs",
+             "tp_comm_s": "tp collectives", "pp_comm_s": "pipeline sends", "dp_comm_s": "dp collectives",
+             "bubble_s": "pipeline bubble", "optimizer_s": "optimizer"}
+    k = part["dominant"]
+    return f"{names.get(k, k)} {part['terms'][k] / part['seconds']:.0%}"
 
 
 def _render_search(console, s: planner.SearchResult) -> None:

@@ -32,14 +32,16 @@ from .models import PRESETS as MODEL_PRESETS
 from .models import ModelSpec, get_model
 from .params import count_params, param_breakdown, params_per_device
 from .predict import PredictedCollective, RuntimePrediction, predict_collectives
+from .profile import Profile, load as load_profile, published
 from .report import PlanReport, plan
 from .runtime import predict_from_inventory
 from .search import SearchResult, search
 from .source import ModelSource, TemplateSource
+from .tp_search import TpSearch, search_tp
 
 __all__ = [
     "CommItem", "HARDWARE_PRESETS", "Hardware", "Layout", "MODEL_PRESETS", "ModelInventory", "ModelSource",
-    "ModelSpec", "PlanReport", "PredictedCollective", "RuntimePrediction", "SearchResult", "SplitModel",
+    "ModelSpec", "PlanReport", "Profile", "TpSearch", "load_profile", "published", "search_tp", "PredictedCollective", "RuntimePrediction", "SearchResult", "SplitModel",
     "TemplateSource", "count_params", "custom_hardware", "dp_collectives", "from_hf_config", "from_hf_dict",
     "get_hardware", "get_model", "param_breakdown", "params_per_device", "params_per_rank", "plan",
     "pp_collectives", "predict_collectives", "predict_from_inventory", "search", "tp_collectives",

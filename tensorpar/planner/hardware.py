@@ -19,6 +19,10 @@ Sources (vendor datasheets; where the PDF was not at hand, the secondary reprodu
   DGX H100 user guide: 8 x 400 Gb/s NDR InfiniBand (50 GB/s per GPU).
 - H200: NVIDIA H200 Tensor Core GPU datasheet (2024): same compute as H100 SXM, 141 GB HBM3e at
   4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s; DGX H200: 8 x 400 Gb/s per node.
+- V100 (DGX-2H): NVIDIA DGX-2H datasheet (2018): 16 V100 SXM3 32 GB at 2.1 PFLOP/s fp16 tensor
+  (130 TFLOP/s each; V100 has no bf16, its fp16 peak stands in), HBM2 at 900 GB/s (V100
+  datasheet), six NVLink2 links per GPU through NVSwitch (300 GB/s bidirectional), eight 100 Gb/s
+  EDR InfiniBand ports per 16 GPUs (6.25 GB/s per GPU).
 - TPU v4: Pope et al. 2022, "Efficiently Scaling Transformer Inference", Sec. 4: 275 TFLOP/s
   bf16, 32 GiB HBM at 1,200 GB/s, 270 GB/s ICI (taken per direction, the larger reading, so that
   bounds stay true); 4 chips per host.
@@ -146,6 +150,9 @@ PRESETS: dict[str, Hardware] = {h.name: h for h in (
              links={"nvlink": 600 * GB, "pcie": 128 * GB}, intra_node_link="pcie",
              inter_node_bytes_per_s=50 * GB, aliases=("H100-PCIe-80GB",), source=_H100_SRC),
     _hopper_sxm("h200", 4800, 141, aliases=("H200-SXM-141GB", "h200-sxm"), source="NVIDIA H200 datasheet; DGX H200"),
+    Hardware(name="v100-dgx2h", peak_dense_bf16_flops=130e12, hbm_bytes_per_s=900 * GB, mem_bytes=32 * GB,
+             links={"nvlink": 300 * GB, "pcie": 32 * GB}, inter_node_bytes_per_s=6.25 * GB, devices_per_node=16,
+             aliases=("V100-SXM3-32GB (DGX-2H)", "V100-SXM3-32GB", "v100"), source="NVIDIA DGX-2H datasheet; V100 datasheet"),
     Hardware(name="tpu-v4", peak_dense_bf16_flops=275e12, hbm_bytes_per_s=1200 * GB,
              mem_bytes=32 * 2**30, links={"ici": 540 * GB}, intra_node_link="ici",
              inter_node_bytes_per_s=270 * GB, devices_per_node=4, aliases=("TPU-v4",),

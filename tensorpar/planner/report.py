@@ -6,29 +6,32 @@ MetaSource``: any ``config.json``), and every figure is read from the
 :class:`~tensorpar.architecture.split_model.SplitModel` at the layout's tp: parameters per stage
 and rank (:mod:`.stages`), activations, KV cache and model states (:mod:`.split_memory`), every
 collective of a step and of a decode step (:mod:`.traffic`), FLOPs (:mod:`.split_flops`), bounds
-and estimates (:mod:`.timing`), feasibility (:mod:`.feasibility`).
+(:mod:`.timing`), estimates from a hardware profile (:mod:`.estimate`, :mod:`.profile`),
+feasibility (:mod:`.feasibility`).
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tensorpar.architecture.split_model import SplitModel
 
 from . import split_flops, split_memory
 from .collectives import link_transfer_time
 from .comm import CommItem, bytes_sent
+from . import estimate as est
+from .profile import Profile, published, with_latency
 from .feasibility import fixes, memory_reasons, placement_warnings, sequence_reasons
 from .hardware import Hardware
 from .layout import Layout, check_size, group_placement
 from .pipeline_report import pipeline_section, rank_activation_bytes, stage_bytes_per_microbatch
-from .schedules import bubble_fraction, check_schedule
+from .schedules import check_schedule
 from .source import ModelSource, source_of
 from tensorpar.architecture.pipeline import stages_of_rank
 
 from .stages import Stages, blocks, held, layers_of, params_per_stage, stages, why_not
-from .timing import (comm_time_estimate, comm_time_lower_bound, compute_time_lower_bound, decode_bytes_read_per_device,
+from .timing import (comm_time_lower_bound, compute_time_lower_bound, decode_bytes_read_per_device,
                      memory_time_lower_bound, steps_per_s_upper_bound)
 from .traffic import decode_items, prefill_items, rank_step
 
@@ -45,7 +48,10 @@ ASSUMPTIONS = [
     "16-bit), activations per Korthikanti et al. 2022 without FlashAttention (each block's norms, split "
     "projections, scores and dropout masks), each pipeline rank keeping its schedule's peak of microbatches "
     "alive (1F1B: min(pp - s, micro-batches) on stage s)",
-    "estimates (not bounds) add ring bytes, a fixed latency per collective, no overlap, the schedule's bubble",
+    "estimates (not bounds) come from a hardware profile (achieved GEMM rate by shape, memory bandwidth, fixed "
+    "cost per block, alpha + n beta per collective; tensorpar calibrate measures one, presets use public "
+    "figures), term by term: matmuls, attention, elementwise work, fixed costs, collectives, the schedule's "
+    "bubble, the optimizer (docs/planner.md, 'Time estimates')",
 ]
 
 
@@ -109,18 +115,23 @@ class _Ctx:
     intra: float
     inter: float
     peak: float
-    latency_s: float
+    profile: Profile
+    runtime: est.Runtime
 
 
 def plan(model, layout: Layout, hardware: Hardware, *, kv_link: str | float = "inter-node",
-         kv_tokens: int | None = None, latency_s: float = 10e-6, seq: int | None = None) -> PlanReport:
+         kv_tokens: int | None = None, latency_s: float | None = None, seq: int | None = None,
+         profile: Profile | None = None, runtime: est.Runtime | None = None) -> PlanReport:
     """Plan ``model`` (a ModelSpec or a model source) under ``layout`` on ``hardware`` (devices
     per node from the hardware).
 
     ``kv_link``: where a KV cache would move (``"inter-node"``, ``"intra-node"``, a link name of the
     hardware, or bytes/s). ``kv_tokens``: its size in tokens (default micro_batch x seq).
-    ``latency_s``: per-collective latency used by the estimates only, never by the bounds.
     ``seq``: the sequence planned for (default: the model's).
+    ``profile``: the achieved rates the estimates use (default: the hardware's published figures,
+    :func:`.profile.published`); ``latency_s`` replaces its per-collective latency; ``runtime``:
+    what overlaps and which kernels run (:mod:`.estimate`; default tensorpar's on that device).
+    Estimates never enter the bounds.
     """
     src = source_of(model)
     if seq is not None:
@@ -135,9 +146,13 @@ def plan(model, layout: Layout, hardware: Hardware, *, kv_link: str | float = "i
     report.reasons += ([pp_reason] if pp_reason else []) + sequence_reasons(seq, layout)
     if pp_reason:
         return report
+    profile = profile or published(hardware)
+    if latency_s is not None:
+        profile = with_latency(profile, latency_s)
     ctx = _Ctx(split, stages(split, layout.pp * layout.virtual_stages), layout, hardware, seq,
                group_placement(layout, hardware.devices_per_node), hardware.intra_node_bytes_per_s,
-               hardware.inter_node_bytes_per_s, hardware.peak_flops(layout.dtype), latency_s)
+               hardware.inter_node_bytes_per_s, hardware.peak_flops(layout.dtype), profile,
+               runtime or est.default_runtime(profile))
     _fill_memory(report, ctx)
     _fill_step(report, ctx)
     _fill_inference(report, ctx, kv_link, kv_tokens)
@@ -273,12 +288,25 @@ def _fill_step(report: PlanReport, c: _Ctx) -> None:
     report.comm_time_lower_bound_s = comm
     report.comm_time_lower_bound_by_link = bounds[worst]
     report.step_time_lower_bound_s = max(compute, comm)
-    bubble = bubble_fraction(lay.schedule, pp=lay.pp, microbatches=lay.num_micro_batches,
-                             virtual=lay.virtual_stages) if lay.pp > 1 else 0.0
-    comm_est = comm_time_estimate(items, c.placement, lay.pp, c.intra, c.inter, c.latency_s)
-    report.estimates = {"pipeline_bubble_fraction": bubble, "comm_time_s": comm_est,
-                        "step_time_s": compute / (1 - bubble) + comm_est,
-                        "latency_per_collective_s": c.latency_s, "decode_time_per_token_s": None}
+    steps = {s: est.training_step(c.split, c.st, lay, c.seq, items_, c.placement, c.profile, c.runtime, pp_rank=s)
+             for s, (items_, _) in per_stage.items()} if lay.workload == "train" else {}
+    step = max(steps.values(), key=lambda x: x["seconds"]) if steps else est.prefill(
+        c.split, _whole_batch(lay), c.seq, prefill_items(c.split, c.st, _whole_batch(lay), c.seq), c.placement,
+        c.profile, c.runtime)
+    terms = step["terms"]
+    report.estimates = {
+        "profile": c.profile.name, "runtime": c.runtime.name,
+        "step_time_s": step["seconds"], "tokens_per_s": lay.global_batch * c.seq / step["seconds"],
+        "step": step, "comm_time_s": sum(terms.get(k, 0.0) for k in ("tp_comm_s", "pp_comm_s", "dp_comm_s")),
+        "pipeline_bubble_fraction": step.get("bubble_fraction", 0.0),
+        "decode_time_per_token_s": None, "decode_tokens_per_s": None, "decode": None,
+        "prefill_time_s": None, "prefill": None,
+        "lower_bounds": {"step_time_s": report.step_time_lower_bound_s}}
+
+
+def _whole_batch(lay: Layout) -> Layout:
+    """A layout whose micro-batch is the global batch (a step of an inference plan: its prefill)."""
+    return replace(lay, micro_batch=lay.global_batch, dp=1, global_batch=lay.global_batch)
 
 
 def _busiest(fn, tp: int) -> float:
@@ -291,6 +319,9 @@ def _fill_inference(report: PlanReport, c: _Ctx, kv_link, kv_tokens) -> None:
                               "prefill_micro_batch": split_flops.prefill_flops(split, b, c.seq),
                               "prefill_global_batch": split_flops.prefill_flops(split, lay.global_batch, c.seq)}
     report.prefill_time_lower_bound_s = _prefill_bound(report, c)
+    pre = est.prefill(split, lay, c.seq, prefill_items(split, c.st, lay, c.seq), c.placement, c.profile, c.runtime)
+    report.estimates.update(prefill=pre, prefill_time_s=pre["seconds"])
+    report.estimates["lower_bounds"]["prefill_time_s"] = report.prefill_time_lower_bound_s
     report.comm["decode_per_token"] = []
     if split.causal:
         _fill_decode(report, c)
@@ -314,8 +345,10 @@ def _fill_decode(report: PlanReport, c: _Ctx) -> None:
     report.decode_time_per_token_lower_bound_s = decode
     report.decode_steps_per_s_upper_bound = None if decode == 0 else steps_per_s_upper_bound(decode)
     report.comm["decode_per_token"] = [i.to_dict() for i in items]
-    report.estimates["decode_time_per_token_s"] = terms["hbm_s"] + comm_time_estimate(
-        items, c.placement, lay.pp, c.intra, c.inter, c.latency_s)
+    decode = est.decode_step(split, lay, c.seq, items, c.placement, c.profile, c.runtime)
+    report.estimates.update(decode=decode, decode_time_per_token_s=decode["seconds"],
+                            decode_tokens_per_s=decode["tokens_per_s"])
+    report.estimates["lower_bounds"]["decode_time_per_token_s"] = report.decode_time_per_token_lower_bound_s
 
 
 def _prefill_bound(report: PlanReport, c: _Ctx) -> float:

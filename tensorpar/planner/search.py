@@ -38,21 +38,23 @@ class SearchResult:
 
 
 def search(model, hardware: Hardware, *, devices: int, micro_batch: int = 1,
-           global_batch: int | None = None, workload: str = "train", latency_s: float = 10e-6,
-           **layout_options) -> SearchResult:
+           global_batch: int | None = None, workload: str = "train", latency_s: float | None = None,
+           profile=None, **layout_options) -> SearchResult:
     """Every ``tp x pp x dp = devices`` layout of ``model`` (a ModelSpec or a model source),
     planned and ranked (feasible first).
 
     ``global_batch`` is fixed across layouts (default ``micro_batch x devices``) so that every
-    layout does the same work; ``latency_s`` is the per-collective latency of the estimates
-    (never of the bounds); ``layout_options`` are the other :class:`Layout` fields.
+    layout does the same work; ``profile`` the estimates' rates (default: the hardware's published
+    figures), ``latency_s`` their per-collective latency (never the bounds'); ``layout_options``
+    are the other :class:`Layout` fields.
     """
     check_size("devices", devices)
     gb = micro_batch * devices if global_batch is None else global_batch
     Layout(micro_batch=micro_batch, global_batch=gb, workload=workload, **layout_options)  # validate once
     model = source_of(model)  # one source: each tp split once for all its layouts
-    rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload, latency_s,
-                       layout_options) for tp in divisors(devices) for pp in divisors(devices // tp)]
+    rows = [_candidate(model, hardware, tp, pp, devices // (tp * pp), micro_batch, gb, workload,
+                       dict(latency_s=latency_s, profile=profile), layout_options)
+            for tp in divisors(devices) for pp in divisors(devices // tp)]
     objective = "step_time" if workload == "train" else "decode_time_per_token"
     rows.sort(key=lambda r: (not r["feasible"], r["bound_s"] if r["bound_s"] is not None else float("inf"),
                              r["estimate_s"] if r["estimate_s"] is not None else float("inf"), r["tp"], r["pp"]))
@@ -64,14 +66,14 @@ def search(model, hardware: Hardware, *, devices: int, micro_batch: int = 1,
     return result
 
 
-def _candidate(model, hardware, tp, pp, dp, micro_batch, gb, workload, latency_s, options) -> dict:
+def _candidate(model, hardware, tp, pp, dp, micro_batch, gb, workload, rates: dict, options) -> dict:
     row = {"tp": tp, "pp": pp, "dp": dp}
     try:
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=gb, workload=workload, **options)
     except ValueError as exc:
         return {**row, "feasible": False, "reasons": [str(exc)], "bound_s": None, "estimate_s": None,
                 "memory_per_device_bytes": None, "comm_bytes_per_device_per_step": None, "fixes": []}
-    r = plan(model, layout, hardware, latency_s=latency_s)
+    r = plan(model, layout, hardware, **rates)
     return {**row, **_summary(r, workload)}
 
 

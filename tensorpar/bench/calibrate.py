@@ -1,0 +1,266 @@
+"""``tensorpar calibrate``: measure this machine into a hardware profile (:mod:`tensorpar.planner.profile`).
+
+One launch of ``ranks`` processes, one thread each, every rank measuring at once (they share the
+cores and the memory bus, as they do in a run); each figure is the slowest rank's:
+
+- **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
+  512, n and k from 128 to 2048), float32 and float64; fitted to
+  ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
+  relative error (the three coefficients enter linearly), with the fit's median and largest
+  relative error reported;
+- **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
+- **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 3 blocks, split at tp = ranks and
+  unsplit, timed for a forward of 4 tokens, a training step (``train_step``: loss, backward,
+  clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's); the slope over
+  blocks is the cost of one block call, the intercept the step's own; the time spent inside
+  collectives (the ledger's) is taken out, as the estimate counts collectives by their own fit;
+- **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
+  over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
+  ``alpha + n beta`` (relative least squares), the fit's errors reported.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tensorpar import distributed as dist
+from tensorpar.apply import parallelize
+from tensorpar.distributed.probe import OPS, time_collective
+from tensorpar.models.generation import generate
+from tensorpar.models.tiny import make_tiny_model
+from tensorpar.models.training import train_step
+from tensorpar.planner.hardware import Hardware
+from tensorpar.planner.profile import Gemm, Link, Profile
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+M_SIZES = (1, 8, 64, 512)
+NK_SIZES = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
+PAYLOADS = tuple(8 * 8 ** k for k in range(8)) + (16 << 20,)  # 8 B ... 16 MiB
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64)
+QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5)
+
+
+def _median_time(fn, repeats: int, min_s: float = 0.02) -> float:
+    """Median seconds of ``fn``: each sample loops until ``min_s`` passes (short calls)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            if time.perf_counter() - t0 >= min_s:
+                break
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
+def gemm_points(dtype, m_sizes, nk_sizes, repeats: int) -> list:
+    """``[m, n, k, seconds]`` of ``F.linear`` over the grid."""
+    out = []
+    for n, k in nk_sizes:
+        w = torch.randn(n, k, dtype=dtype)
+        for m in m_sizes:
+            x = torch.randn(m, k, dtype=dtype)
+            out.append([m, n, k, _median_time(lambda: F.linear(x, w), repeats)])
+    return out
+
+
+def fit_gemm(points: list, bytes_per_elem: int) -> Gemm:
+    """Relative least squares of ``t = c + a flops + b bytes`` (see the module docstring); a
+    negative coefficient is dropped and the rest refitted."""
+    t = np.array([p[3] for p in points])
+    cols = np.array([[1.0, 2.0 * m * n * k, bytes_per_elem * (m * k + k * n + m * n)] for m, n, k, _ in points])
+    coef = _nonneg_lstsq(cols, t)
+    pred = cols @ coef
+    err = np.abs(pred - t) / t
+    return Gemm(rate_flops=1.0 / coef[1] if coef[1] > 0 else float(max(cols[:, 1] / t)),
+                bytes_per_s=1.0 / coef[2] if coef[2] > 0 else 1e15, fixed_s=float(coef[0]),
+                fit={"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()), "points": points})
+
+
+def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
+    keep = list(range(cols.shape[1]))
+    while True:
+        a = cols[:, keep] / t[:, None]
+        sol, *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+        if (sol >= 0).all() or len(keep) == 1:
+            coef = np.zeros(cols.shape[1])
+            coef[keep] = np.maximum(sol, 0)
+            return coef
+        keep.pop(int(np.argmin(sol)))
+
+
+def fit_link(points: list) -> dict:
+    """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``."""
+    t = np.array([s for _, s in points])
+    cols = np.array([[1.0, float(n)] for n, _ in points])
+    alpha, beta = _nonneg_lstsq(cols, t)
+    err = np.abs(cols @ np.array([alpha, beta]) - t) / t
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+            "fit": {"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()),
+                    "points": [[int(n), float(s)] for n, s in points]}}
+
+
+def memory_rate(repeats: int) -> float:
+    a = torch.ones(8 << 20)  # 32 MiB
+    b, c = torch.empty_like(a), torch.empty_like(a)
+    copy = 2 * a.nbytes / _median_time(lambda: b.copy_(a), repeats)
+    add = 3 * a.nbytes / _median_time(lambda: torch.add(a, b, out=c), repeats)
+    return statistics.median([copy, add])
+
+
+# ---- a block's fixed cost -------------------------------------------------------------------------
+
+def _net(fn, repeats: int) -> float:
+    """Median seconds of ``fn`` less the time it spent inside collectives."""
+    samples = []
+    fn()
+    for _ in range(repeats):
+        with dist.ledger() as led:
+            t0 = time.perf_counter()
+            fn()
+            wall = time.perf_counter() - t0
+        samples.append(wall - led.seconds_in_collectives())
+    return statistics.median(samples)
+
+
+def _models(layers: int, split: bool):
+    model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=layers, **TINY)
+    if split:
+        model = parallelize(model)
+    return model
+
+
+LAYERS = (1, 4)  # the tiny models' blocks: the slope over them is one block's cost
+
+
+def block_costs(split: bool, repeats: int, new: int = 17) -> dict:
+    """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
+    tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
+    (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
+    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``)."""
+    ids = torch.arange(4).reshape(1, 4)
+    per_l = {}
+    for layers in LAYERS:
+        model = _models(layers, split)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fwd = _net(lambda: _forward(model, ids), repeats)
+        model.train()
+        train = _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats)
+        model.eval()
+        phases = {"forward": fwd, "train": train}
+        for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
+            one = _net(lambda: generate(model, ids, 1, engine=engine), repeats)
+            many = _net(lambda: generate(model, ids, new, engine=engine), repeats)
+            phases[key] = (many - one) / (new - 1)
+            if engine == "auto":
+                phases["prefill"] = one
+        per_l[layers] = phases
+    lo, hi = LAYERS
+    out = {}
+    for k in per_l[lo]:
+        per_block = max(0.0, (per_l[hi][k] - per_l[lo][k]) / (hi - lo))
+        out[k] = (per_block, max(0.0, per_l[lo][k] - lo * per_block))
+    return out
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        model(ids)
+
+
+# ---- collectives ----------------------------------------------------------------------------------
+
+def link_points(world: int, payloads, repeats: int) -> dict:
+    """``{transport: {op: {p: [(payload, seconds)]}}}`` on groups of the first p ranks."""
+    out = {}
+    for transport in ("shm", "gloo"):
+        out[transport] = {op: {} for op in OPS}
+        for p in range(2, world + 1):
+            ranks = list(range(p))
+            group = dist.new_group(ranks, backend=transport)
+            if dist.get_rank() >= p:
+                continue
+            for op in OPS:
+                out[transport][op][p] = [(n, time_collective(op, n, group, ranks, repeats=repeats)) for n in payloads]
+    return out
+
+
+# ---- the job --------------------------------------------------------------------------------------
+
+def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17) -> list:
+    """Every rank's measurements (each rank gets all of them)."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats) for k, dt in DTYPES.items()},
+            "memory": memory_rate(repeats),
+            "blocks": {"split": block_costs(True, repeats, new), "dense": block_costs(False, repeats, new)}}
+    mine["links"] = link_points(dist.get_world_size(), payloads, repeats)
+    mine["seconds"] = time.perf_counter() - t0
+    return dist.all_gather_object(mine)
+
+
+def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:
+    """The profile of one launch's measurements (the same on every rank)."""
+    return build_profile(_slowest(per_rank), ranks=ranks, cores=os.cpu_count() or 1, seconds=seconds, quick=quick)
+
+
+def _slowest(per_rank: list) -> dict:
+    """Each figure from the slowest rank (the largest time, the smallest rate)."""
+    first = per_rank[0]
+    gemm = {k: [[*pt[:3], max(r["gemm"][k][i][3] for r in per_rank)] for i, pt in enumerate(first["gemm"][k])]
+            for k in first["gemm"]}
+    blocks = {kind: {ph: tuple(max(r["blocks"][kind][ph][j] for r in per_rank) for j in (0, 1))
+                     for ph in first["blocks"][kind]} for kind in first["blocks"]}
+    links = {tr: {op: {p: [(n, max(r["links"][tr][op][p][i][1] for r in per_rank if p in r["links"][tr][op]))
+                           for i, (n, _) in enumerate(pts)] for p, pts in first["links"][tr][op].items()}
+                  for op in first["links"][tr]} for tr in first["links"]}
+    return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links}
+
+
+def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
+    """Measure this machine with ``ranks`` processes; return its profile."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"--ranks ({ranks!r}) must be an integer >= 2 (collectives need a peer)")
+    kw = dict(QUICK) if quick else dict(repeats=repeats)
+    t0 = time.perf_counter()
+    per_rank = dist.launch(calibrate_worker, ranks, *_args(kw), backend="auto", timeout=300)[0]
+    return profile_of(per_rank, ranks=ranks, seconds=time.perf_counter() - t0, quick=quick)
+
+
+def _args(kw: dict) -> tuple:
+    full = dict(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats=5, new=17) | kw
+    return full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"]
+
+
+def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: bool) -> Profile:
+    gemm = {k: fit_gemm(pts, DTYPES[k].itemsize) for k, pts in m["gemm"].items()}
+    links = {tr: Link(tr, {op: {str(p): fit_link(pts) for p, pts in table.items()} for op, table in ops.items()})
+             for tr, ops in m["links"].items()}
+    split, dense = m["blocks"]["split"], m["blocks"]["dense"]
+    block = {ph: split[ph][0] for ph in split} | {f"{ph}@tp1": dense[ph][0] for ph in dense}
+    step = {ph: split[ph][1] for ph in split} | {f"{ph}@tp1": dense[ph][1] for ph in dense}
+    shm_ar = links["shm"].ops["all_reduce"][str(2)]
+    link_bw = 1.0 / shm_ar["beta_s_per_byte"] if shm_ar["beta_s_per_byte"] > 0 else 1e12
+    gloo_ar = links["gloo"].ops["all_reduce"][str(2)]
+    gloo_bw = 1.0 / gloo_ar["beta_s_per_byte"] if gloo_ar["beta_s_per_byte"] > 0 else 1e12
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hardware = Hardware(name=f"this machine, {ranks} ranks x 1 thread (measured)",
+                        peak_dense_bf16_flops=max(g.rate_flops for g in gemm.values()),
+                        peak_dense_tf32_flops=gemm["fp32"].rate_flops, hbm_bytes_per_s=m["memory"],
+                        mem_bytes=memory_gb / ranks, links={"shm": 2 * link_bw, "gloo": 2 * gloo_bw},
+                        intra_node_link="shm", inter_node_bytes_per_s=gloo_bw, devices_per_node=ranks)
+    return Profile(name=hardware.name, device="cpu", hardware=hardware, gemm=gemm, memory_bytes_per_s=m["memory"],
+                   block_call_s=block, step_call_s=step, links=links, intra_link="shm", inter_link="gloo",
+                   synchronous=True, source="tensorpar calibrate",
+                   measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
+                             "seconds": round(seconds, 2), "torch": torch.__version__,
+                             "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

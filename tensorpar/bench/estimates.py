@@ -1,0 +1,210 @@
+"""Estimates suite: every case timed beside the planner's estimate of it, from this machine's profile.
+
+The loop the planner exists for: ``tensorpar calibrate`` measures the machine into a profile
+(:mod:`tensorpar.bench.calibrate`), ``tensorpar.planner.plan(..., profile=...)`` estimates each
+case from it, and this suite runs the case and puts the two side by side (measured / estimate;
+the target is within 20% either way). One launch of 2 ranks over shared memory, one thread per
+rank, float32, the ~25M Llama (``BENCH_LLAMA``):
+
+- training steps (``train_step``: loss, backward, clipping at 1.0, AdamW; a global batch of
+  ``BATCH x SEQ``): ``tp2``; ``dp2_ddp`` and ``dp2_fsdp`` (each rank half the batch); ``pp2``
+  (two stages, 1F1B, ``MICROBATCHES`` microbatches);
+- decode per token (``generate``, ``(t(n) - t(1)) / (n - 1)``, prompt ``PROMPT``): tp 2 over shared
+  memory through the lean forward at batch 1 and 8, through Hugging Face's forward at batch 1, and
+  over gloo at batch 1;
+- prefill (``generate`` of one token: the prompt's forward and the first token): tp 2 at batch 1
+  and 8, prompt ``PROMPT``.
+
+Cases run in interleaved rounds (:func:`~tensorpar.bench.timing.interleaved`), each time taken on
+the slowest rank; the figure is the median over rounds. The planner sees the checkpoint's own split
+(``MetaSource``), the layout, and the profile with its link set to the case's transport.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tensorpar import distributed as dist
+from tensorpar.apply import parallelize
+from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
+from tensorpar.bench import calibrate
+from tensorpar.bench.timing import interleaved
+from tensorpar.distributed.dp_engines import init_mesh
+from tensorpar.models.checkpoint import load_sharded
+from tensorpar.models.generation import generate
+from tensorpar.models.tiny import make_tiny_checkpoint
+from tensorpar.models.training import train_step
+from tensorpar.planner import Layout, plan
+from tensorpar.planner import estimate as est
+from tensorpar.planner.layout import group_placement
+from tensorpar.planner.traffic import decode_items
+from tensorpar.planner.profile import Profile, from_dict
+from tensorpar.sharding.inventory import MetaSource
+
+BATCH, SEQ, MICROBATCHES, MAX_NORM, LR = 4, 128, 2, 1.0, 3e-4
+PROMPT, NEW, DECODE_BATCHES = 32, 17, (1, 8)
+TARGET = 0.20  # |measured / estimate - 1| the issue asks for
+# `--quick`: the train suite's ~0.6M Llama (2 blocks), 4 x 32 tokens, 5 generated tokens.
+QUICK = dict(sizes=dict(BENCH_LLAMA, hidden_size=128, intermediate_size=256, num_hidden_layers=2), batch=4, seq=32,
+             new=5)
+
+
+# ---- the planner's side --------------------------------------------------------------------------
+
+def on_link(profile: Profile, transport: str) -> Profile:
+    """``profile`` with its intra-node collectives over ``transport`` (``shm`` or ``gloo``)."""
+    if transport not in profile.links:
+        raise ValueError(f"transport {transport!r} not in the profile; it has: {', '.join(profile.links)}")
+    return replace(profile, intra_link=transport)
+
+
+def estimate(path, layout: Layout, profile: Profile, *, seq: int, what: str, transport: str = "shm",
+             engine: str = "decode") -> dict:
+    """The planner's estimate of one case: ``what`` is ``step``, ``decode`` or ``prefill``."""
+    r = plan(MetaSource(path), layout, profile.hardware, seq=seq, profile=on_link(profile, transport))
+    e = r.estimates
+    if what == "decode" and engine != "decode":
+        split = MetaSource(path).at(layout.tp)
+        e = {"decode": est.decode_step(split, layout, seq, decode_items(split, layout),
+                                       group_placement(layout, profile.hardware.devices_per_node),
+                                       on_link(profile, transport), engine=engine)}
+    part = e["step"] if what == "step" else e[what]
+    return {"estimate_s": part["seconds"], "terms": part["terms"], "dominant": part["dominant"]}
+
+
+def judged(measured_s: float, est: dict) -> dict:
+    ratio = measured_s / est["estimate_s"]
+    return {**est, "measured_s": measured_s, "measured_vs_estimate": ratio, "within_target": abs(ratio - 1) <= TARGET}
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+
+def _slowest(fn):
+    """``fn`` timed on every rank; the slowest rank's seconds (returned by the timing collective)."""
+    def run():
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op="max")
+        return t.item()
+    return run
+
+
+def _train_cases(dense, ids) -> dict:
+    """``{case: (layout, step)}``."""
+    half = ids[dist.get_rank() * (len(ids) // 2):(dist.get_rank() + 1) * (len(ids) // 2)]
+    b, s = ids.shape
+    out = {}
+
+    def add(name, model, batch, layout):
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        out[name] = (layout, lambda: train_step(model, opt, batch, max_norm=MAX_NORM))
+    add("tp2", parallelize(copy.deepcopy(dense)).train(), ids, Layout(tp=2, micro_batch=b, dtype="fp32"))
+    add("dp2_ddp", parallelize(copy.deepcopy(dense), mesh=init_mesh(2, 1), data_parallel="ddp").train(), half,
+        Layout(dp=2, micro_batch=b // 2, dtype="fp32"))
+    add("dp2_fsdp", parallelize(copy.deepcopy(dense), mesh=init_mesh(2, 1), data_parallel="fsdp").train(), half,
+        Layout(dp=2, micro_batch=b // 2, dtype="fp32", zero_stage=3))
+    add("pp2", parallelize(copy.deepcopy(dense), mesh=init_mesh(1, 1, pp=2), pipeline="1F1B",
+                           microbatches=MICROBATCHES).train(), ids,
+        Layout(pp=2, micro_batch=b // MICROBATCHES, global_batch=b, dtype="fp32", schedule="1F1B"))
+    return out
+
+
+def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, profile_dict: dict | None,
+                     calibration: dict | None = None) -> dict:
+    """``{"rows", "profile"}``: the cases beside their estimates; without a profile, this launch
+    measures one first (:func:`tensorpar.bench.calibrate.calibrate_worker`, ``calibration`` its
+    arguments)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    dist.check_collectives(False)
+    if profile_dict is None:
+        t0 = time.perf_counter()
+        per_rank = calibrate.calibrate_worker(*calibrate._args(calibration or {}))
+        profile = calibrate.profile_of(per_rank, ranks=dist.get_world_size(), seconds=time.perf_counter() - t0,
+                                       quick=bool(calibration))
+    else:
+        profile = from_dict(profile_dict)
+    dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    rows = []
+    cases = _train_cases(dense, ids)
+    samples = interleaved({name: _slowest(step) for name, (_, step) in cases.items()}, repeats, warmup=2)
+    for name, (layout, _) in cases.items():
+        guess = estimate(path, layout, profile, seq=seq, what="step")
+        rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq),
+                     "samples_s": samples[name], **judged(statistics.median(samples[name]), guess)})
+    del cases
+    rows += _inference_rows(path, profile, repeats, new, dense.config.vocab_size)
+    return {"rows": rows, "profile": profile.to_dict()}
+
+
+def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int) -> list:
+    shm = dist.new_group([0, 1], backend="shm")
+    models = {"shm": load_sharded(path, tp_group=shm, dtype=torch.float32)[0].eval(),
+              "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"), dtype=torch.float32)[0].eval()}
+    prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=torch.Generator().manual_seed(b))
+               for b in DECODE_BATCHES}
+    # (case, model, engine of generate, batch, what, transport, engine of the estimate)
+    cases = [("decode_b1", "shm", "auto", 1, "decode", "shm", "decode"),
+             ("decode_b8", "shm", "auto", 8, "decode", "shm", "decode"),
+             ("decode_hf_b1", "shm", "hf", 1, "decode", "shm", "decode_hf"),
+             ("decode_gloo_b1", "gloo", "auto", 1, "decode", "gloo", "decode"),
+             ("prefill_b1", "shm", "auto", 1, "prefill", "shm", "decode"),
+             ("prefill_b8", "shm", "auto", 8, "prefill", "shm", "decode")]
+    runs = {}
+    for name, model, engine, b, what, _, _ in cases:
+        ids = prompts[b]
+        one = _slowest(lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e))
+        if what == "decode":
+            many = _slowest(lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e))
+            runs[name] = (lambda o=one, n=many: (n() - o()) / (new - 1))
+        else:
+            runs[name] = one
+    with torch.no_grad():
+        samples = interleaved(runs, repeats, warmup=1)
+    rows = []
+    for name, _, engine, b, what, transport, est_engine in cases:
+        layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
+        context = PROMPT + new // 2 if what == "decode" else PROMPT
+        guess = estimate(path, layout, profile, seq=context, what=what, transport=transport, engine=est_engine)
+        rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
+                     f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
+                     f"{'lean' if engine == 'auto' else 'HF'} forward",
+                     "samples_s": samples[name], **judged(statistics.median(samples[name]), guess)})
+    return rows
+
+
+def _layout_text(layout: Layout, seq: int) -> str:
+    parts = [f"{k}{getattr(layout, k)}" for k in ("tp", "pp", "dp") if getattr(layout, k) > 1] or ["unsplit"]
+    extra = " (FSDP)" if layout.zero_stage == 3 else " (DDP)" if layout.dp > 1 else ""
+    return " x ".join(parts) + extra + f", global batch {layout.global_batch} x {seq}"
+
+
+def run_estimates_bench(profile: Profile | None, repeats: int = 5, sizes=None, batch: int = BATCH, seq: int = SEQ,
+                        new: int = NEW, calibration: dict | None = None) -> tuple[list, Profile]:
+    """Rank 0's rows, one per case (see the module docstring), and the profile they were estimated
+    from (measured in the same launch when ``profile`` is None)."""
+    with tempfile.TemporaryDirectory(prefix="tensorpar-bench-estimates-") as tmp:
+        path = make_tiny_checkpoint(Path(tmp) / "llama", "llama", dtype=torch.float32, **(sizes or BENCH_LLAMA))
+        out = dist.launch(estimates_worker, 2, str(path), repeats, batch, seq, new,
+                          None if profile is None else profile.to_dict(), calibration, backend="auto", timeout=600)[0]
+    return out["rows"], from_dict(out["profile"])
+
+
+def estimates_table(rows: list[dict]) -> str:
+    head = ("| case | layout | measured | estimate | measured / estimate | within 20% | dominant term |\n"
+            "|---|---|---:|---:|---:|---|---|\n")
+    return head + "\n".join(
+        f"| {r['case']} | {r['layout']} | {r['measured_s'] * 1e3:.3g} ms | {r['estimate_s'] * 1e3:.3g} ms | "
+        f"{r['measured_vs_estimate']:.2f} | {'yes' if r['within_target'] else '**no**'} | {r['dominant']} |"
+        for r in rows) + "\n"

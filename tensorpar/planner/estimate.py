@@ -1,0 +1,323 @@
+"""Time estimates: a training step, a decode step, a prefill, term by term (not bounds).
+
+Everything here is computed for one device (the busiest pipeline rank and tensor-parallel rank)
+from the split model's own records and a :class:`~.profile.Profile` of achieved rates:
+
+- **matmuls** (``gemm_s``): every weight matrix of the rank's stages as a GEMM of
+  ``(tokens, in) @ (in, out)`` on its local shard, timed by the profile's GEMM model
+  (``fixed + 2 m n k / rate + bytes / bandwidth``); backward runs two GEMMs of the same size
+  (the input's and the weight's gradient); full recomputation runs the blocks' forward again.
+- **attention cores** (``attention_s``): per layer and sequence, ``heads`` batched GEMMs of the
+  scores ``(s, d) @ (d, keys)`` and the weighted values. A fused kernel (SDPA, FlashAttention)
+  keeps the scores out of memory; an unfused one writes and re-reads them (the elementwise term).
+  The keys and values are read once per layer (grouped heads share them): at decode, reading the
+  K/V cache is most of the work.
+- **elementwise work** (``elementwise_s``): norms, activations, residual adds, rotary, dropout,
+  softmax. Each tensor a block keeps for backward (Korthikanti et al. 2022's count, the split's
+  ``activations``) is written once and read once by such work in forward, twice in backward;
+  unfused attention adds its score tensors (softmax, mask, dropout: 4 passes each way, 5 with
+  dropout). Bytes over the achieved memory bandwidth.
+- **fixed cost** (``fixed_s``): ``block_call_s`` per block call and ``step_call_s`` per step
+  (embedding, head, loop) from the profile. On a synchronous host (CPU) it adds to the work; on
+  a GPU, kernels queue behind the work, so only what exceeds the work shows.
+- **collectives** (``tp_comm_s``, ``pp_comm_s``, ``dp_comm_s``): every item the planner counts
+  (:mod:`.traffic`) at the link's ``alpha + n beta`` for its group size and its link (inside a
+  node or across). Tensor-parallel and pipeline collectives wait for the compute (they sit on the
+  critical path). Data-parallel gradient reduction overlaps the backward only where the runtime
+  overlaps it (:class:`Runtime`): then only what exceeds the backward, and at least the last
+  bucket, shows.
+- **pipeline bubble** (``bubble_s``): the schedule's idle share (:mod:`.schedules`) of the
+  busiest rank's busy time: ``busy * f / (1 - f)``.
+- **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times the bytes
+  the optimizer moves per parameter (:class:`Runtime`), over the memory bandwidth.
+
+Known limits (docs/planner.md): one block's fixed cost is measured on one architecture (Llama);
+load imbalance between ranks, stragglers and a noisy host are not modelled; a GPU profile from
+public figures has one GEMM efficiency for all large shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tensorpar.architecture.split_model import SplitModel
+
+from .profile import Profile
+from .schedules import bubble_fraction
+from tensorpar.architecture.pipeline import stages_of_rank
+
+from .stages import Stages, blocks, layers_of
+from .timing import on_one_node
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """How the runtime being estimated runs a step (what overlaps, which kernels).
+
+    ``attention``: ``fused`` (SDPA/FlashAttention: scores never reach memory) or ``unfused``;
+    ``optimizer_bytes_per_param``: bytes read and written per parameter by one optimizer step
+    (with clipping); ``dp_overlap``: whether data-parallel gradient reduction runs during the
+    backward; ``bucket_bytes``: its bucket size (the last bucket cannot overlap).
+    """
+    name: str
+    attention: str = "fused"
+    optimizer_bytes_per_param: float = 96.0
+    dp_overlap: bool = False
+    bucket_bytes: float = 25 * 2**20
+
+
+# PyTorch's AdamW (foreach, the default) with clipping, as tensorpar.train_step runs it: about
+# twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
+# its scaling and epsilon, the update; the norm and the clip): 96 bytes per parameter.
+TENSORPAR = Runtime("tensorpar")
+# On a GPU the same code, with DDP's gradient buckets overlapping the backward (its reducer's
+# hooks fire per bucket as gradients are ready).
+TENSORPAR_GPU = Runtime("tensorpar (GPU)", dp_overlap=True)
+# Megatron-LM as published in 2020 (README tables): unfused attention with dropout on the scores,
+# apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
+# fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
+MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=True)
+# Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
+# gradients all-reduced after the backward (its own DDP, no overlap).
+MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False)
+RUNTIMES = {r.name: r for r in (TENSORPAR, TENSORPAR_GPU, MEGATRON_2020, MEGATRON_2021)}
+
+
+def default_runtime(profile: Profile) -> Runtime:
+    return TENSORPAR if profile.synchronous else TENSORPAR_GPU
+
+
+# ---- the work of one micro-batch on one rank ---------------------------------------------------
+
+def _shapes(split: SplitModel) -> dict:
+    """Parameter by name, a tied tensor under each of its names (GPT's head is its embedding)."""
+    return {name: p for p in split.params for name in (p.name, *p.tied)}
+
+
+def _gemm_seconds(split: SplitModel, names, rank: int, tokens: float, e: int, profile: Profile, dtype: str,
+                  *, head_tokens: float | None = None) -> float:
+    """Forward GEMMs of the matmuls ``names`` on ``rank`` for ``tokens`` tokens (the head's for
+    ``head_tokens``). An expert tensor ``(E, out, in)`` is E GEMMs, each seeing its share."""
+    g, params, total = profile.gemm_for(dtype), _shapes(split), 0.0
+    for m in split.matmuls:
+        if m.name not in names or not m.ranks[rank]:
+            continue
+        p = params.get(m.name)
+        shard = p.ranks[rank].shape if p is not None else None
+        if not shard or len(shard) < 2:
+            continue
+        n, k = shard[-2], shard[-1]
+        calls = p.ranks[rank].numel // (n * k)
+        t = head_tokens if (m.head and head_tokens is not None) else tokens
+        rows = t * m.ranks[rank] / (2.0 * n * k * calls)  # tokens each GEMM sees (top_k / E of them in an expert)
+        total += g.seconds(rows, n, k, e, calls=calls)
+    return total
+
+
+def _attention_seconds(split: SplitModel, layer_ids, rank: int, batch: int, queries: int, keys: float, e: int,
+                       profile: Profile, dtype: str, fused: bool) -> float:
+    """The scores and weighted values of ``queries`` queries over ``keys`` keys, ``batch``
+    sequences: two batched GEMMs per layer (one call each, every head inside), reading the
+    queries and the layer's keys and values (shared by grouped heads), writing the output;
+    unfused, the scores too go through memory."""
+    g, total = profile.gemm_for(dtype), 0.0
+    for a in split.attention:
+        if a.index not in layer_ids or not a.heads[rank]:
+            continue
+        c = min(keys, a.window) if a.window else keys
+        heads = batch * a.heads[rank]
+        flops = heads * 2.0 * queries * c * (a.qk_dim + a.v_dim)
+        operands = e * (heads * queries * (a.qk_dim + a.v_dim) + batch * c * a.kv[rank])
+        scores = 0.0 if fused else heads * e * 2 * queries * c
+        total += 2 * g.fixed_s + flops / g.rate_flops + (operands + scores) / g.bytes_per_s
+    return total
+
+
+def _elementwise_bytes(split: SplitModel, layer_ids, rank: int, tokens: float, keys: float, e: int,
+                       fused: bool) -> float:
+    """Forward bytes of elementwise work (see the module docstring)."""
+    total = 0.0
+    for a in split.activations:
+        if a.index not in layer_ids:
+            continue
+        total += tokens * (2 * e * (a.replicated + a.sharded[rank]) + a.masks)
+        if not fused:
+            passes = 5 if a.score_dropout else 4
+            total += tokens * a.score_heads[rank] * keys * e * passes
+    return total
+
+
+@dataclass(frozen=True)
+class _Stage:
+    names: frozenset     # matmuls of the stages this rank holds
+    layers: frozenset    # block indices
+    blocks: int
+    head: bool
+    ids: frozenset = frozenset({0})  # the stages
+
+
+def _rank_stages(split: SplitModel, st: Stages, pp_rank: int, pp: int, virtual: int, schedule: str) -> _Stage:
+    mine = stages_of_rank(pp_rank, pp, virtual, schedule)
+    names = frozenset(m.name for m in split.matmuls if st.of(m.name) in mine)
+    layers = frozenset(b for s in mine for b in layers_of(st, s))
+    return _Stage(names, layers, len(layers), any(m.head and m.name in names for m in split.matmuls), frozenset(mine))
+
+
+def _whole(split: SplitModel) -> _Stage:
+    names = frozenset(m.name for m in split.matmuls)
+    layers = frozenset(blocks(split))
+    return _Stage(names, layers, len(layers), any(m.head for m in split.matmuls))
+
+
+def forward_terms(split: SplitModel, stage: _Stage, rank: int, *, batch: int, seq: int, keys: float, e: int,
+                  dtype: str, profile: Profile, runtime: Runtime, head_tokens: float | None = None) -> dict:
+    """Seconds of one forward of ``batch x seq`` tokens through ``stage`` on ``rank``: matmuls,
+    attention cores, elementwise work (no fixed cost, no collectives)."""
+    fused = runtime.attention == "fused"
+    tokens = float(batch * seq)
+    return {"gemm_s": _gemm_seconds(split, stage.names, rank, tokens, e, profile, dtype, head_tokens=head_tokens),
+            "attention_s": _attention_seconds(split, stage.layers, rank, batch, seq, keys, e, profile, dtype, fused),
+            "elementwise_s": _elementwise_bytes(split, stage.layers, rank, tokens, keys, e, fused)
+            / profile.memory_bytes_per_s}
+
+
+def _body(split: SplitModel, stage: _Stage) -> _Stage:
+    """The stage without its head (what full recomputation re-runs)."""
+    heads = {m.name for m in split.matmuls if m.head}
+    return _Stage(stage.names - heads, stage.layers, stage.blocks, False, stage.ids)
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+
+def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
+    """Seconds of ``items`` by group (``tp``, ``pp``, ``dp``; the tied-embedding group counts as dp)."""
+    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
+    for it in items:
+        local, _ = on_one_node(it, placement, pp)
+        link = profile.link(local)
+        if it.op == "send":
+            one = link.seconds("send", it.bytes_sent_per_device, 2)
+        else:
+            one = link.seconds(it.op, it.payload_bytes, it.group_size)
+        out["pp" if it.group == "pp" else "dp" if it.group in ("dp", "embedding") else "tp"] += it.count * one
+    return out
+
+
+def _largest_dp_payload(items) -> float:
+    return max((it.payload_bytes for it in items if it.group in ("dp", "embedding")), default=0.0)
+
+
+# ---- a training step -----------------------------------------------------------------------------
+
+def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, placement: dict,
+                  profile: Profile, runtime: Runtime | None = None, pp_rank: int = 0) -> dict:
+    """Seconds of one optimizer step on the busiest tp rank of pipeline rank ``pp_rank``, term by
+    term (``items``: that rank's collectives of the step, :func:`.traffic.rank_step`)."""
+    runtime = runtime or default_runtime(profile)
+    e, b, m = layout.bytes_per_elem, layout.micro_batch, layout.num_micro_batches
+    stage = _rank_stages(split, st, pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    best = None
+    for rank in range(split.tp):
+        kw = dict(batch=b, seq=seq, keys=float(seq), e=e, dtype=layout.dtype, profile=profile, runtime=runtime)
+        fwd = forward_terms(split, stage, rank, **kw)
+        work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
+        if layout.recompute == "full":
+            again = forward_terms(split, _body(split, stage), rank, **kw)
+            work = {k: work[k] + again[k] for k in work}
+        elif layout.recompute == "selective":
+            work["attention_s"] += fwd["attention_s"]
+        total = sum(work.values())
+        if best is None or total > best[1]:
+            best = (work, total, rank)
+    work, per_micro, rank = best
+    terms = {k: m * v for k, v in work.items()}
+    calls = m * (stage.blocks * profile.block_s("train", split.tp) + profile.step_s("train", split.tp))
+    terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - m * per_micro)
+    comm = comm_seconds(items, placement, layout.pp, profile)
+    terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    busy = sum(terms.values())
+    f = bubble_fraction(layout.schedule, pp=layout.pp, microbatches=m, virtual=layout.virtual_stages) \
+        if layout.pp > 1 else 0.0
+    terms["bubble_s"] = busy * f / (1.0 - f) if f < 1 else 0.0
+    dp = comm["dp"]
+    if runtime.dp_overlap and dp > 0:
+        backward = 2.0 / 3.0 * m * per_micro
+        last = min(dp, comm_seconds([_last_bucket(items, runtime.bucket_bytes)], placement, layout.pp,
+                                    profile)["dp"]) if _largest_dp_payload(items) else 0.0
+        dp = max(dp - backward, last)
+    terms["dp_comm_s"] = dp
+    params = _rank_params(split, st, stage, rank, layout)
+    terms["optimizer_s"] = params * runtime.optimizer_bytes_per_param * (e if e < 4 else 4) / 4 \
+        / profile.memory_bytes_per_s if layout.workload == "train" else 0.0
+    return _summary(terms, tokens=float(layout.global_batch * seq) / layout.dp, extra={"bubble_fraction": f,
+                    "tp_rank": rank, "pp_rank": pp_rank, "runtime": runtime.name})
+
+
+def _last_bucket(items, bucket_bytes: float):
+    it = max((i for i in items if i.group in ("dp", "embedding")), key=lambda i: i.payload_bytes)
+    return replace(it, payload_bytes=min(it.payload_bytes, bucket_bytes), count=1)
+
+
+def _rank_params(split: SplitModel, st: Stages, stage: _Stage, rank: int, layout) -> float:
+    """Parameters the optimizer of ``rank`` updates: those its stages hold (a tied copy on each),
+    its 1/dp share under ZeRO or FSDP."""
+    n = sum(p.ranks[rank].numel for p in split.params if set(st.homes[p.name]) & stage.ids)
+    sharded = layout.zero_stage > 0 or getattr(layout, "data_parallel", None) == "fsdp"
+    return n / layout.dp if sharded else float(n)
+
+
+# ---- inference -----------------------------------------------------------------------------------
+
+def decode_step(split: SplitModel, layout, context: int, items: list, placement: dict, profile: Profile,
+                runtime: Runtime | None = None, *, engine: str = "decode") -> dict:
+    """Seconds of one decode step: ``micro_batch`` sequences each add one token over ``context``
+    keys, through every stage in turn (a token crosses the pipeline), on the busiest tp rank.
+    ``engine``: ``decode`` (tensorpar's lean forward) or ``decode_hf`` (Hugging Face's forward)."""
+    runtime = runtime or default_runtime(profile)
+    e, b = layout.bytes_per_elem, layout.micro_batch
+    whole, best = _whole(split), None
+    for rank in range(split.tp):
+        t = forward_terms(split, whole, rank, batch=b, seq=1, keys=float(context), e=e, dtype=layout.dtype,
+                          profile=profile, runtime=_fused(runtime))
+        if best is None or sum(t.values()) > sum(best.values()):
+            best = t
+    terms = dict(best)
+    calls = whole.blocks * profile.block_s(engine, split.tp) + profile.step_s(engine, split.tp)
+    terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
+    comm = comm_seconds(items, placement, layout.pp, profile)
+    terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    return _summary(terms, tokens=float(b))
+
+
+def _fused(runtime: Runtime) -> Runtime:
+    """Decoding reads one query's scores: no score tensor worth a pass of its own."""
+    return replace(runtime, attention="fused")
+
+
+def prefill(split: SplitModel, layout, prompt: int, items: list, placement: dict, profile: Profile,
+            runtime: Runtime | None = None, *, all_logits: bool = False, phase: str = "prefill") -> dict:
+    """Seconds of one forward of ``micro_batch`` prompts of ``prompt`` tokens through every stage
+    (one after another: a single prompt does not fill a pipeline), the head for the last token
+    of each (``all_logits``: for every token, as a plain forward computes them). ``phase``: whose
+    fixed costs (``prefill``: ``generate``'s; ``forward``: a plain forward's)."""
+    runtime = runtime or default_runtime(profile)
+    e, b = layout.bytes_per_elem, layout.micro_batch
+    whole, best = _whole(split), None
+    keys = (prompt + 1) / 2 if (split.causal and runtime.attention == "fused") else float(prompt)
+    for rank in range(split.tp):
+        t = forward_terms(split, whole, rank, batch=b, seq=prompt, keys=keys, e=e, dtype=layout.dtype,
+                          profile=profile, runtime=runtime, head_tokens=None if all_logits else float(b))
+        if best is None or sum(t.values()) > sum(best.values()):
+            best = t
+    terms = dict(best)
+    calls = whole.blocks * profile.block_s(phase, split.tp) + profile.step_s(phase, split.tp)
+    terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
+    comm = comm_seconds(items, placement, layout.pp, profile)
+    terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    return _summary(terms, tokens=float(b * prompt))
+
+
+def _summary(terms: dict, *, tokens: float, extra: dict | None = None) -> dict:
+    total = sum(terms.values())
+    dominant = max(terms, key=terms.get) if total > 0 else None
+    return {"seconds": total, "tokens_per_s": tokens / total if total > 0 else None, "terms": terms,
+            "dominant": dominant, **(extra or {})}

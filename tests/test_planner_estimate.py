@@ -1,0 +1,211 @@
+"""The time estimates (tensorpar.planner.estimate) and hardware profiles (tensorpar.planner.profile).
+
+Published runs: every case of ../shared/reference_cases with a measured time, estimated from the
+presets' public figures (profile.PUBLISHED) and the runtime the paper describes, must land within
+20% of the measurement. The figures were not fitted to these cases (the constants are named with
+their sources in profile.py); the test states the ratios it saw so a change that moves them shows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from tensorpar.planner import Layout, plan
+from tensorpar.planner import estimate as est
+from tensorpar.planner.hardware import get_hardware
+from tensorpar.planner.models import ModelSpec, get_model
+from tensorpar.planner.source import source_of
+from tensorpar.planner.profile import FORMAT, Gemm, Link, from_dict, load, published, with_latency
+from tensorpar.planner.tp_search import search_tp
+from tests.test_planner_cases import BY_ID, CASES
+
+TARGET = 0.20  # issue 23: within 20% of the published measurement
+
+
+def _gpt(i) -> ModelSpec:
+    return ModelSpec(family="gpt", layers=i["layers"], hidden=i["hidden"], heads=i["heads"], ffn=i.get("ffn"),
+                     vocab=i.get("vocab", 51200), seq=i["seq"])
+
+
+MEGATRON = [c for c in CASES if c["id"].startswith("megatron_readme2020")]
+
+
+@pytest.mark.parametrize("case", MEGATRON, ids=[c["id"] for c in MEGATRON])
+def test_megatron_readme_iteration_times_within_20_percent(case):
+    """Megatron-LM's 2020 README tables (GPT-2 1.2B-8.3B, tp 1-8, dp 1 and 128, V100 DGX-2H and
+    A100): the planner's step estimate against the measured iteration time."""
+    i = case["inputs"]
+    hw = get_hardware(i["hardware"]["name"])
+    lay = Layout(tp=i["tp"], pp=i["pp"], dp=i["dp"], micro_batch=i["global_batch"] // i["dp"],
+                 global_batch=i["global_batch"], recompute=i["activation_recompute"], dtype="fp16")
+    r = plan(_gpt(i), lay, hw, runtime=est.MEGATRON_2020)
+    measured, estimate = case["expected"]["iteration_time_s"], r.estimates["step_time_s"]
+    assert abs(estimate / measured - 1) <= TARGET, (case["id"], estimate, measured)
+    assert r.estimates["lower_bounds"]["step_time_s"] == r.step_time_lower_bound_s <= estimate
+    assert r.estimates["step"]["dominant"] == "gemm_s"
+
+
+# Narayanan et al. 2021, Table 1: GPT-3 175B on 1024 A100s (t 8, p 16), batch 1536; 1T on 3072 (t 8,
+# p 64), batch 3072; micro-batch 1, full recomputation, fp16. Eq. 4's days from the measured rate.
+NARAYANAN = [("narayanan2021_eq4_training_time_gpt3_175B", "gpt3-175b", 8, 16, 1536),
+             ("narayanan2021_eq4_training_time_1T", "megatron-1t", 8, 64, 3072)]
+
+
+@pytest.mark.parametrize("cid, model, t, p, batch", NARAYANAN, ids=[n[0] for n in NARAYANAN])
+def test_narayanan_training_days_within_20_percent(cid, model, t, p, batch):
+    i, m = BY_ID[cid]["inputs"], get_model(model)
+    lay = Layout(tp=t, pp=p, dp=i["n_gpus"] // (t * p), micro_batch=1, global_batch=batch, recompute="full",
+                 dtype="fp16", schedule="1F1B")
+    r = plan(m, lay, get_hardware("a100-80gb"), runtime=est.MEGATRON_2021)
+    days = i["tokens"] / (batch * m.seq) * r.estimates["step_time_s"] / 86400
+    assert abs(days / BY_ID[cid]["expected"]["training_days"] - 1) <= TARGET, (cid, days)
+    assert r.estimates["step"]["terms"]["bubble_s"] > 0  # 1F1B's (p - 1) / (m + p - 1) of the step
+
+
+def test_every_case_with_a_measured_time_is_checked():
+    """A new case with a measured time must join the tests above."""
+    timed = {c["id"] for c in CASES if {"iteration_time_s", "training_days"} & set(c["expected"])}
+    assert timed == {c["id"] for c in MEGATRON} | {n[0] for n in NARAYANAN}
+
+
+# ---- the model's arithmetic ------------------------------------------------------------------------
+
+def _flat(gemm_rate=1e12, mem=1e11, fixed=0.0, alpha=0.0, beta_bw=1e10, synchronous=True):
+    """A profile whose figures are round numbers (for arithmetic checks)."""
+    p = published("h100-sxm")
+    g = Gemm(rate_flops=gemm_rate, bytes_per_s=mem, fixed_s=fixed)
+    link = Link("flat", {op: {"2": {"alpha_s": alpha, "beta_s_per_byte": 1 / beta_bw}} for op in
+                         ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")})
+    return dataclasses.replace(p, gemm={"fp32": g, "bf16": g}, memory_bytes_per_s=mem,
+                               block_call_s={k: 0.0 for k in p.block_call_s}, links={"flat": link},
+                               intra_link="flat", inter_link="flat", synchronous=synchronous)
+
+
+def test_gemm_and_link_formulas():
+    g = Gemm(rate_flops=2e9, bytes_per_s=1e9, fixed_s=1e-5)
+    assert g.seconds(4, 8, 16, 4, calls=3) == pytest.approx(3 * (1e-5 + 2 * 4 * 8 * 16 / 2e9 + 4 * (64 + 128 + 32) / 1e9))
+    assert g.seconds(0, 8, 16, 4) == 0.0
+    link = Link("x", {"all_reduce": {"2": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}}})
+    assert link.seconds("all_reduce", 1000, 2) == pytest.approx(1e-5 + 1e-6)
+    # 4 ranks, measured at 2: the ring's bytes per rank grow from 2(1/2) to 2(3/4) of the payload
+    assert link.seconds("all_reduce", 1000, 4) == pytest.approx(1e-5 + 1e-6 * 1.5)
+    assert link.seconds("all_reduce", 1000, 1) == 0.0
+
+
+def test_training_step_counts_forward_backward_and_recompute():
+    """Backward is two GEMMs per forward GEMM; full recomputation runs the body's forward again
+    (not the head's)."""
+    m, prof = get_model("megatron-1.2b"), _flat()
+    def step(recompute):
+        lay = Layout(micro_batch=2, dtype="fp32", recompute=recompute)
+        return plan(m, lay, get_hardware("h100-sxm"), profile=prof, seq=256).estimates
+    none, full = step("none"), step("full")
+    split = source_of(m).at(1)
+    whole = est._whole(split)
+    one = est.forward_terms(split, whole, 0, batch=2, seq=256, keys=256.0, e=4, dtype="fp32", profile=prof,
+                            runtime=est.TENSORPAR)
+    body = est.forward_terms(split, est._body(split, whole), 0, batch=2, seq=256, keys=256.0, e=4, dtype="fp32",
+                             profile=prof, runtime=est.TENSORPAR)
+    assert none["step"]["terms"]["gemm_s"] == pytest.approx(3 * one["gemm_s"])
+    assert full["step"]["terms"]["gemm_s"] == pytest.approx(3 * one["gemm_s"] + body["gemm_s"])
+    assert body["gemm_s"] < one["gemm_s"]  # the head is not recomputed
+
+
+def test_terms_sum_to_the_estimate_and_the_bubble_is_the_schedules():
+    m, prof = get_model("megatron-1.2b"), _flat(alpha=1e-5)
+    lay = Layout(pp=4, micro_batch=1, global_batch=8, dtype="fp32", schedule="1F1B")
+    e = plan(m, lay, get_hardware("h100-sxm"), profile=prof, seq=128).estimates
+    terms = e["step"]["terms"]
+    assert e["step_time_s"] == pytest.approx(sum(terms.values()))
+    f = (4 - 1) / (8 + 4 - 1)
+    busy = sum(v for k, v in terms.items() if k not in ("bubble_s", "dp_comm_s", "optimizer_s"))
+    assert terms["bubble_s"] == pytest.approx(busy * f / (1 - f))
+    assert e["pipeline_bubble_fraction"] == pytest.approx(f)
+    assert e["step"]["dominant"] == max(terms, key=terms.get)
+    assert e["tokens_per_s"] == pytest.approx(8 * 128 / e["step_time_s"])
+
+
+def test_dp_overlap_hides_all_but_the_last_bucket():
+    m = get_model("megatron-1.2b")
+    lay = Layout(dp=8, micro_batch=4, dtype="bf16")
+    hw = get_hardware("a100-80gb")
+    serial = plan(m, lay, hw, runtime=est.MEGATRON_2021, seq=512).estimates["step"]["terms"]["dp_comm_s"]
+    hidden = plan(m, lay, hw, runtime=est.MEGATRON_2020, seq=512).estimates["step"]["terms"]["dp_comm_s"]
+    assert 0 < hidden < serial
+    # the last 25 MiB bucket at least: alpha + its ring bytes over the link
+    link = published(hw).link(True)
+    assert hidden >= link.seconds("all_reduce", 25 * 2**20, 8) * 0.999
+
+
+def test_decode_reads_the_weights_and_the_cache():
+    """At batch 1 a decode step streams the rank's weights: doubling tp halves the matmul term;
+    a longer context adds K/V reads to the attention term."""
+    m, prof = get_model("llama-2-7b"), _flat(mem=1e12, gemm_rate=1e15)
+    hw = get_hardware("h100-sxm")
+    def dec(tp, seq):
+        return plan(m, Layout(tp=tp, dtype="bf16", workload="inference"), hw, profile=prof, seq=seq).estimates["decode"]
+    assert dec(2, 512)["terms"]["gemm_s"] == pytest.approx(dec(1, 512)["terms"]["gemm_s"] / 2, rel=0.02)
+    assert dec(1, 4096)["terms"]["attention_s"] > 4 * dec(1, 512)["terms"]["attention_s"]
+    assert dec(1, 512)["terms"]["tp_comm_s"] == 0 < dec(2, 512)["terms"]["tp_comm_s"]
+
+
+def test_search_tp_finds_where_more_ranks_stop_paying():
+    m, hw = get_model("llama-2-7b"), get_hardware("h100-sxm")
+    free = search_tp(m, hw, profile=_flat(mem=1e12, alpha=0.0, beta_bw=1e15), seq=512)
+    assert [r["tp"] for r in free.rows] == [1, 2, 4, 8]
+    assert free.best["tp"] == 8 and free.stops_paying_at is None  # collectives cost nothing: every doubling pays
+    slow = search_tp(m, hw, profile=_flat(mem=1e12, alpha=1e-3, beta_bw=1e15), seq=512)
+    assert slow.best["tp"] == 1 and slow.stops_paying_at == 2  # 1 ms per collective: tp 2 already loses
+    assert "stops paying at tp=2" in " ".join(slow.explanation)
+    assert search_tp(m, hw, max_tp=2).rows[-1]["tp"] == 2
+
+
+def test_estimates_are_not_below_the_bounds_on_the_presets():
+    """The published profile achieves less than the peaks the bounds use."""
+    for name, lay in [("llama-2-7b", Layout(tp=2, micro_batch=2, dtype="bf16")),
+                      ("llama-2-70b", Layout(tp=8, pp=2, dp=2, micro_batch=1, global_batch=16, dtype="bf16")),
+                      ("llama-2-7b", Layout(tp=4, micro_batch=4, dtype="bf16", workload="inference"))]:
+        r = plan(get_model(name), lay, get_hardware("h200"), seq=2048)
+        assert r.estimates["step_time_s"] >= r.step_time_lower_bound_s
+        assert r.estimates["decode_time_per_token_s"] >= r.decode_time_per_token_lower_bound_s
+        assert r.estimates["prefill_time_s"] >= r.prefill_time_lower_bound_s
+
+
+# ---- profiles ----------------------------------------------------------------------------------------
+
+def test_profile_json_round_trip_and_refusals(tmp_path):
+    p = published("h200")
+    back = load(p.save(tmp_path / "p.json"))
+    assert back.to_dict() == p.to_dict()
+    d = p.to_dict()
+    with pytest.raises(ValueError, match=f"'format' must be '{FORMAT}'"):
+        from_dict({**d, "format": "other"})
+    with pytest.raises(ValueError, match="block_call_s lacks decode"):
+        from_dict({**d, "block_call_s": {k: v for k, v in d["block_call_s"].items() if k != "decode"}})
+    with pytest.raises(ValueError, match="missing or malformed field 'gemm'"):
+        from_dict({k: v for k, v in d.items() if k != "gemm"})
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        load(tmp_path / "bad.json")
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_latency_override_changes_only_alpha():
+    p = with_latency(published("a100-80gb"), 3e-5)
+    fit = p.links["intra"].ops["all_reduce"]["8"]
+    assert fit["alpha_s"] == 3e-5
+    assert fit["beta_s_per_byte"] == published("a100-80gb").links["intra"].ops["all_reduce"]["8"]["beta_s_per_byte"]
+    with pytest.raises(ValueError, match="latency_s"):
+        with_latency(p, -1.0)
+
+
+def test_published_profile_states_its_figures():
+    p, hw = published("a100-80gb"), get_hardware("a100-80gb")
+    assert p.gemm["bf16"].rate_flops == pytest.approx(0.8 * 312e12)
+    assert p.memory_bytes_per_s == pytest.approx(0.85 * hw.hbm_bytes_per_s)
+    # a ring all-reduce of 8 GPUs over NVLink at 0.8 x 300 GB/s per direction
+    assert p.links["intra"].seconds("all_reduce", 1e9, 8) == pytest.approx(10e-6 + 2 * 7 / 8 * 1e9 / 240e9)
+    assert not p.synchronous and math.isfinite(p.block_call_s["train"])
