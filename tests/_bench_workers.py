@@ -14,10 +14,12 @@ def floor_worker(tokens, hidden):
     return floor_max_diff(dense, TensorparMLP(dense), x, grad)
 
 
-def train_and_pipeline_worker(path, ckpt_root, train_args, pipeline_args):
-    """The train suite's and the pipeline suite's workers in one launch (one spawn for both smokes):
-    ``{"train": rows, "pipeline": rows}``."""
+def train_and_pipeline_worker(path, ckpt_root, train_args, pipeline_args, estimates_args):
+    """The train, pipeline and estimates suites' workers in one launch (one spawn for the three
+    smokes): ``{"train": rows, "pipeline": rows, "estimates": {"rows", "profile"}}``."""
+    from tensorpar.bench.estimates import estimates_worker
     from tensorpar.bench.pipeline import pipeline_worker
     from tensorpar.bench.train import train_worker
 
-    return {"train": train_worker(path, ckpt_root, *train_args), "pipeline": pipeline_worker(path, *pipeline_args)}
+    return {"train": train_worker(path, ckpt_root, *train_args), "pipeline": pipeline_worker(path, *pipeline_args),
+            "estimates": estimates_worker(path, *estimates_args)}

@@ -158,23 +158,24 @@ def test_train_guard_refuses_a_variant_that_computes_another_step():
 
 @pytest.fixture(scope="module")
 def train_and_pipeline_rows(tmp_path_factory):
-    """The train and pipeline suites' ``--quick`` runs at 3 rounds, in one launch of 2 ranks (one
-    checkpoint: both suites' quick Llama is the same)."""
+    """The train, pipeline and estimates suites' ``--quick`` runs at 3 rounds, in one launch of 2
+    ranks (one checkpoint: the suites' quick Llama is the same; the estimates suite calibrates
+    this machine in the same launch)."""
     import torch
 
     from tensorpar import distributed as dist
-    from tensorpar.bench import pipeline, train
+    from tensorpar.bench import calibrate, estimates, pipeline, train
     from tensorpar.models.tiny import make_tiny_checkpoint
     from tests import _bench_workers as W
 
-    assert pipeline.QUICK["sizes"] == train.QUICK["sizes"]
+    assert pipeline.QUICK["sizes"] == train.QUICK["sizes"] == estimates.QUICK["sizes"]
     tmp = tmp_path_factory.mktemp("bench-train-pipeline")
     path = make_tiny_checkpoint(tmp / "llama", "llama", dtype=torch.float32, **train.QUICK["sizes"])
     (tmp / "checkpoints").mkdir()
-    q, p = train.QUICK, pipeline.QUICK
+    q, p, e = train.QUICK, pipeline.QUICK, estimates.QUICK
     return dist.launch(W.train_and_pipeline_worker, 2, str(path), str(tmp / "checkpoints"),
                        (3, q["batch"], q["seq"], q["saves"]), (3, p["batch"], p["seq"], pipeline.MICROBATCHES),
-                       backend="auto", timeout=600)[0]
+                       (3, e["batch"], e["seq"], e["new"], None, calibrate.QUICK), backend="auto", timeout=600)[0]
 
 
 @pytest.mark.multirank
@@ -278,3 +279,34 @@ def test_llama_stages_cut_by_hand_compose_to_the_dense_model():
     ids = torch.randint(0, dense.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     want = dense(input_ids=ids, use_cache=False).logits
     assert (last(first(ids)) - want).abs().max().item() <= 1e-12
+
+
+@pytest.mark.multirank
+def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_rows):
+    """The quick estimates suite: a profile measured in the launch (every phase, both transports,
+    every op), then every case (training at tp, dp and pp, decode, prefill) timed with the
+    planner's estimate from that profile beside it; its terms add up to the estimate."""
+    import math
+
+    from tensorpar.bench.estimates import TARGET, estimates_table
+    from tensorpar.planner.profile import OPS, PHASES, from_dict
+
+    out = train_and_pipeline_rows["estimates"]
+    profile = from_dict(out["profile"])
+    assert set(PHASES) <= set(profile.block_call_s) and profile.measured["ranks"] == 2
+    assert set(profile.links) == {"shm", "gloo"} and all(set(link.ops) == set(OPS) for link in profile.links.values())
+    assert all(g.rate_flops > 0 and "median_rel_err" in g.fit for g in profile.gemm.values())
+    rows = out["rows"]
+    assert [r["case"] for r in rows] == ["tp2", "dp2_ddp", "dp2_fsdp", "pp2", "decode_b1", "decode_b8", "decode_hf_b1",
+                                         "decode_gloo_b1", "prefill_b1", "prefill_b8"]
+    for r in rows:
+        assert len(r["samples_s"]) == 3 and r["measured_s"] > 0 and math.isfinite(r["estimate_s"]) and r["estimate_s"] > 0
+        assert r["estimate_s"] == pytest.approx(sum(r["terms"].values()))
+        assert r["measured_vs_estimate"] == pytest.approx(r["measured_s"] / r["estimate_s"])
+        assert r["within_target"] == (abs(r["measured_vs_estimate"] - 1) <= TARGET)
+        assert r["dominant"] == max(r["terms"], key=r["terms"].get)
+    by = {r["case"]: r for r in rows}
+    assert by["pp2"]["terms"]["bubble_s"] > 0 and by["pp2"]["terms"]["pp_comm_s"] > 0
+    assert by["tp2"]["terms"]["tp_comm_s"] > 0 and by["dp2_ddp"]["terms"]["dp_comm_s"] > 0
+    assert by["decode_gloo_b1"]["terms"]["tp_comm_s"] != by["decode_b1"]["terms"]["tp_comm_s"]  # each its link
+    assert "| tp2 |" in estimates_table(rows)

@@ -1,16 +1,21 @@
 """`tensorpar train`'s run beside its plan: each rank's model states and one step's collectives
 as the ledger recorded them, next to what the planner predicts for the same rank
 (:func:`tensorpar.planner.mesh.mesh_step` / ``state_bytes``, with pipeline stages
-:func:`tensorpar.planner.pipeline_step.pipeline_step` / ``pipeline_state_bytes``)."""
+:func:`tensorpar.planner.pipeline_step.pipeline_step` / ``pipeline_state_bytes``), and with a
+hardware profile the planner's step time beside the measured one (:func:`time_estimate`)."""
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 
 from tensorpar.jobs.common import DTYPES
 from tensorpar.jobs.train_checks import ZERO
+from tensorpar.planner import Layout, plan
 from tensorpar.planner.mesh import mesh_step, state_bytes
 from tensorpar.planner.pipeline_step import pipeline_state_bytes, pipeline_step
+from tensorpar.planner.profile import load
 from tensorpar.planner.runtime import generic_name
+from tensorpar.sharding.inventory import MetaSource
 
 
 def ledger_step(start: int, steps: int) -> int:
@@ -88,3 +93,28 @@ def communication(cfg, plan: dict, per_rank: list) -> list:
                     "only_recorded": [list(k) + [n] for k, n in (got - want).items()],
                     "only_planned": [list(k) + [n] for k, n in (want - got).items()]})
     return out
+
+
+PLANNER_DTYPES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
+
+
+def time_estimate(cfg, model_path, history: list, pipe: dict | None, profile_file: str | None) -> dict | None:
+    """The planner's step time from a hardware profile (``tensorpar calibrate``'s ``profile_file``)
+    beside the run's: the median of rank 0's steps past the first two and the ledger's (warm-up,
+    one-off exchanges, recording); None without a profile."""
+    if profile_file is None:
+        return None
+    profile = load(profile_file)
+    m = pipe["microbatches"] if pipe is not None else 1
+    layout = Layout(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, micro_batch=cfg.batch // (cfg.dp * m), global_batch=cfg.batch,
+                    dtype=PLANNER_DTYPES[cfg.dtype], zero_stage=3 if cfg.zero == 3 else 0,
+                    sequence_parallel=cfg.sequence_parallel, schedule=pipe["schedule"] if pipe else "1F1B",
+                    virtual_stages=pipe["virtual_stages"] if pipe else None)
+    est = plan(MetaSource(model_path), layout, profile.hardware, seq=cfg.seq, profile=profile).estimates
+    skip = {h["step"] for h in history[:2]} | {ledger_step(history[0]["step"] - 1, history[-1]["step"])} \
+        if len(history) > 3 else set()
+    timed = [h["seconds"] for h in history if h["step"] not in skip] or [h["seconds"] for h in history]
+    measured = statistics.median(timed)
+    return {"profile": profile.name, "profile_file": str(profile_file), "estimate_s": est["step_time_s"],
+            "measured_s": measured, "steps_timed": len(timed), "measured_vs_estimate": measured / est["step_time_s"],
+            "terms": est["step"]["terms"], "dominant": est["step"]["dominant"]}
