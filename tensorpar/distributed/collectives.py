@@ -10,6 +10,11 @@ ledger must record the bytes really sent, ``(p - 1)/p * N``. ``record_to`` names
 collective records into (the backward of an autograd operator passes the one its forward saw,
 since backward may run on another thread); by default, the ledger open in this context.
 
+A tensor on a device its group's backend cannot move travels through one it can
+(:func:`_carrier`): a host tensor (a verdict, a loss, a digest) through this rank's GPU on NCCL,
+a CUDA tensor through host memory on gloo's point-to-point ring. The ledger records the
+collective as issued, on the caller's tensor.
+
 The in-place collectives (all-reduce, broadcast) bump the tensor's version counter, which c10d
 does not: a tensor that autograd saved and a collective then overwrote makes backward fail with
 torch's "modified by an inplace operation" error instead of using the new values silently.
@@ -93,8 +98,11 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
             with _on_wire(None if async_op else led, group):
                 if segment is not None:
                     work = shm.all_reduce(segment, x, op)
+                elif async_op and _carrier(x, group) is not None:
+                    buf = _moved_to(x, _carrier(x, group))
+                    work = _CopiedBack(tdist.all_reduce(buf, op=_OPS[op], group=group, async_op=True), buf, x)
                 else:
-                    with _staged(x) as buf:
+                    with _staged(x, group) as buf:
                         work = tdist.all_reduce(buf, op=_OPS[op], group=group, async_op=async_op)
         except BaseException:
             flight.own_done()  # the backend records PyTorch's own calls again
@@ -119,7 +127,8 @@ def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
         if segment is not None:
             shm.all_gather_single(segment, out, moved)
         else:
-            tdist.all_gather_single(out, moved, group=group)
+            with _staged(out, group) as buf:
+                tdist.all_gather_single(buf, _moved_to(moved, buf.device), group=group)
     return _back(out, dim)
 
 
@@ -143,11 +152,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forwa
         if segment is not None:
             out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
             shm.reduce_scatter_single(segment, out, moved)
-        elif transport(group) == "gloo":
-            out = _ring_reduce_scatter(moved, group)
+        elif transport(group) in ("gloo", "shm"):  # gloo, or a GPU tensor on shm (gloo): sends read host memory
+            out = _ring_reduce_scatter(moved.cpu(), group).to(moved.device)
         else:
             out = moved.new_empty((moved.shape[0] // p, *moved.shape[1:]))
-            tdist.reduce_scatter_single(out, moved, group=group)
+            with _staged(out, group) as buf:
+                tdist.reduce_scatter_single(buf, _moved_to(moved, buf.device), group=group)
     return _back(out, dim)
 
 
@@ -181,23 +191,52 @@ def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None =
         if segment is not None:
             shm.broadcast(segment, x, src)
         else:
-            with _staged(x) as buf:
+            with _staged(x, group) as buf:
                 tdist.broadcast(buf, src=global_src, group=group)
     increment_version(x)
     return x
 
 
 @contextlib.contextmanager
-def _staged(x: torch.Tensor):
-    """``x``, or a contiguous copy of it written back after the call: gloo given a strided view
-    (a slice with a stride, a transpose) returns wrong values and writes past the view, silently
-    (torch 2.13), and NCCL needs contiguous memory."""
-    if x.is_contiguous():
+def _staged(x: torch.Tensor, group=None):
+    """``x``, or a contiguous copy of it (on :func:`_carrier`'s device where the backend needs
+    one) written back after the call: gloo given a strided view (a slice with a stride, a
+    transpose) returns wrong values and writes past the view, silently (torch 2.13), and NCCL
+    needs contiguous memory on a GPU."""
+    device = _carrier(x, group)
+    if x.is_contiguous() and device is None:
         yield x
         return
-    buf = x.contiguous()
+    buf = x.contiguous() if device is None else _moved_to(x, device)
     yield buf
     x.copy_(buf)
+
+
+def _carrier(x: torch.Tensor, group) -> "torch.device | None":
+    """The device ``x`` must travel on over ``group`` when its own will not do: NCCL moves CUDA
+    tensors only, so a host tensor goes through this rank's GPU (the one the launcher or torchrun's
+    LOCAL_RANK set); None where ``x`` can go as it is."""
+    if x.device.type == "cpu" and transport(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+class _CopiedBack:
+    """An asynchronous collective run on a copy (:func:`_carrier`): waiting for it copies the
+    result back into the caller's tensor."""
+
+    def __init__(self, work, copy: torch.Tensor, x: torch.Tensor):
+        self._work, self._copy, self._x = work, copy, x
+
+    def wait(self) -> bool:
+        self._work.wait()
+        self._x.copy_(self._copy)
+        return True
+
+
+def _moved_to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``, contiguous (``x`` itself when it already is)."""
+    return x if x.device == device else x.to(device=device, memory_format=torch.contiguous_format)
 
 
 def split_own(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:

@@ -286,14 +286,22 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64", torch.bfloat
 _DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "uint8", "bool", "int8", "int16")
 
 
+def _exchange_device(group) -> torch.device:
+    """Where the signatures travel: NCCL moves CUDA tensors only (this rank's GPU), the others host ones."""
+    if tdist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_signature(state: dict, group) -> None:
     """Exchange ``(seq, op, dtype, ndim, numel, first three dims)`` with the group; raise on any difference."""
     shape = state["shape"]
     mine = torch.tensor([state["seq"], _OPS.index(state["op"]) if state["op"] in _OPS else -1,
                          _DTYPES.index(state["dtype"]) if state["dtype"] in _DTYPES else -1, len(shape),
                          int(torch.tensor(shape).prod().item()) if shape else 1,
-                         *(list(shape[:3]) + [-1] * (3 - len(shape[:3])))], dtype=torch.int64)
-    everyone = torch.empty(len(state["group"]) * mine.numel(), dtype=torch.int64)
+                         *(list(shape[:3]) + [-1] * (3 - len(shape[:3])))], dtype=torch.int64,
+                        device=_exchange_device(group))
+    everyone = mine.new_empty(len(state["group"]) * mine.numel())
     tdist.all_gather_single(everyone, mine, group=group)
     rows = everyone.view(len(state["group"]), -1)
     if bool((rows == mine).all()):
