@@ -33,6 +33,11 @@ integer SUM/PRODUCT (exact), while floating SUM, PRODUCT and AVG differ from glo
 the order of the operations. Tensors larger than a slot (``TENSORPAR_SHM_SLOT_BYTES``, default
 1 MiB per rank) go through in slot-sized pieces.
 
+GPU tensors are never put in the segment: every collective on them goes to gloo, which takes
+CUDA tensors for all-reduce, broadcast, all-gather and reduce-scatter (through pinned host
+memory) but not for point-to-point sends, whose CUDA tensors tensorpar's own collectives move
+through host memory themselves (:mod:`tensorpar.distributed.collectives`).
+
 What goes to gloo (a group across hosts, ``TENSORPAR_TRANSPORT=gloo``, several tensors per call,
 tensors off the CPU; gather, scatter, reduce, all-to-all, point-to-point) goes there with
 contiguous tensors only: gloo reads and writes a tensor's
@@ -87,8 +92,10 @@ class ShmProcessGroup(tdist.ProcessGroup):
         self._name = ""
         self._gloo = tdist.ProcessGroupGloo(store, rank, size, timeout)
         # PyTorch's functional collectives (DTensor, parallelize_module, Hugging Face tp_plan) ask
-        # a group for its backend by device type and call it directly: the gloo one serves them
-        self._register_backend(torch.device("cpu"), tdist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # a group for its backend by device type and call it directly: the gloo one serves them,
+        # GPU tensors too (gloo stages them through pinned host memory; shared memory never sees them)
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            self._register_backend(torch.device(device), tdist.ProcessGroup.BackendType.GLOO, self._gloo)
         self.segment, self.why_not = _attach(store, rank, size, timeout)
 
     # torch names a group on its backends, and a Python process group has none: it keeps its own
