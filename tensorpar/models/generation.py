@@ -41,7 +41,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
              seed: int = 0, eos_token_id=None, pad_token_id: int | None = None,
              return_cache: bool = False, return_logits: bool = False, engine: str = "auto"):
-    """``(B, T + n)`` token ids: the (left-padded) prompts followed by up to ``max_new_tokens`` tokens.
+    """``(B, T + n)`` token ids: the (left-padded) prompts followed by up to ``max_new_tokens`` tokens,
+    on the model's device (prompts given on another device, or as lists, are moved there).
 
     ``model``: a Hugging Face causal LM, dense or parallelized (its tp group is taken from
     ``model.tp_report``). ``input_ids``: a ``(B, T)`` long tensor (with ``attention_mask``, 1 for
@@ -73,6 +74,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
         raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {pad_token_id!r}")
     pad = pad_token_id if pad_token_id is not None else (stops[0] if stops else 0)
     ids, mask = prompts(input_ids, attention_mask, pad, vocab)
+    device = _device(model)
+    ids, mask = ids.to(device), mask.to(device)  # the tokens live where the model computes
     _check_count(max_new_tokens)
     _check_positions(model, mask, max_new_tokens)
     if engine not in ENGINES:
@@ -87,8 +90,8 @@ def generate(model, input_ids, max_new_tokens: int, *, attention_mask: torch.Ten
                     capacity=ids.shape[1] + max_new_tokens)
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (B, T): real tokens counted
     new, new_pos, cache = ids, positions, None
-    done = torch.zeros(ids.shape[0], dtype=torch.bool)
-    stop_ids = torch.tensor(stops, dtype=torch.long)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
     logits_seen = []
     for t in range(max_new_tokens):
         (values, indices, perturbed), full, cache = step(new, mask, new_pos, cache, sampler, t, vocab, return_logits)
@@ -173,6 +176,12 @@ def _stop_ids(eos_token_id, vocab: int) -> list[int]:
     return stops
 
 
+def _device(model) -> torch.device:
+    """Where ``model`` computes: its parameters' device (the host for a model without any)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def _vocab_size(model) -> int:
     head = model.get_output_embeddings()
     return head.out_features if head is not None else model.config.vocab_size
@@ -239,7 +248,7 @@ class _Stepper:
         if k is None:
             return (*_best_k(full, 0, None), False), full
         if sampler.shard_gumbel:  # this shard's columns of the step's noise, on its temperature-scaled scores
-            noise = gumbel(sampler, t, local.shape[0], vocab)[:, start:start + valid]  # (B, valid)
+            noise = gumbel(sampler, t, local.shape[0], vocab, local.device)[:, start:start + valid]  # (B, valid)
             local = local / sampler.temperature
             local[:, :valid] += noise
         values, indices = _best_k(local, start, k)  # (B, k)
@@ -251,7 +260,7 @@ class _Stepper:
 def _best_k(values: torch.Tensor, offset: int, k: int | None):
     """A shard's candidates: its ``k`` first by (value descending, index ascending), all if None."""
     width = values.shape[1]
-    indices = torch.arange(offset, offset + width).expand(values.shape[0], width)  # (B, n)
+    indices = torch.arange(offset, offset + width, device=values.device).expand(values.shape[0], width)  # (B, n)
     if k is None or k >= width:
         return values, indices
     if k == 1:

@@ -85,9 +85,10 @@ def uniform(seed: int, step: int, batch: int, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(rng.random((batch, vocab_size)))
 
 
-def gumbel(sampler: Sampler, step: int, batch: int, vocab_size: int) -> torch.Tensor:
-    """``G = -log(-log U)`` for every row and vocabulary index of step ``step``: (B, V) float64."""
-    return -torch.log(-torch.log(uniform(sampler.seed, step, batch, vocab_size)))
+def gumbel(sampler: Sampler, step: int, batch: int, vocab_size: int, device=None) -> torch.Tensor:
+    """``G = -log(-log U)`` for every row and vocabulary index of step ``step``: (B, V) float64,
+    computed on the host (the same bits whatever device samples) and moved to ``device``."""
+    return (-torch.log(-torch.log(uniform(sampler.seed, step, batch, vocab_size)))).to(device)
 
 
 def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: int, vocab_size: int, *,
@@ -108,7 +109,7 @@ def choose(values: torch.Tensor, indices: torch.Tensor, sampler: Sampler, step: 
         scores = _nucleus(scores, indices, sampler.top_p)
     # a shard's padding columns past the vocabulary are candidates at -inf: never chosen, noise at any index
     at = indices.clamp(max=vocab_size - 1)
-    noise = gumbel(sampler, step, values.shape[0], vocab_size).gather(1, at)  # (B, M), at the candidates
+    noise = gumbel(sampler, step, values.shape[0], vocab_size, values.device).gather(1, at)  # (B, M), at the candidates
     return _best(scores + noise, indices)
 
 
