@@ -132,7 +132,7 @@ def _run(module, args, kwargs, leaves, cotangent=None):
         return None, None, {}
     if cotangent is None:
         g = torch.Generator().manual_seed(1234)
-        cotangent = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+        cotangent = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
     names = [n for n, t in leaves.items() if t is not None and t.requires_grad]
     grads = torch.autograd.grad((out * cotangent).sum(), [leaves[n] for n in names], allow_unused=True)
     return out.detach(), cotangent, dict(zip(names, grads))
