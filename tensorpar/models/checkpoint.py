@@ -37,6 +37,7 @@ from torch import nn
 
 from tensorpar.architecture import configs
 from tensorpar.models.conversion import map_checkpoint
+from tensorpar.sharding.commit import rng_to
 from tensorpar.sharding.pipeline import parallelize
 from tensorpar.sharding.model_classes import eager_experts, meta_model
 from tensorpar.sharding.spec import ShardSpec
@@ -62,12 +63,15 @@ class LoadReport:
         return asdict(self)
 
 
-def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=None):
+def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=None, device=None):
     """``(model, LoadReport)``: the checkpoint in ``path`` parallelized over ``tp_group``.
 
     ``plan``: as for :func:`~tensorpar.sharding.pipeline.parallelize`. ``dtype``: of the loaded
     parameters (default: ``config.dtype``, else float32). ``model_class``: a transformers class
     (default: ``config.architectures[0]``, else the causal-LM, masked-LM or bare model class).
+    ``device``: where the shards go (default: the host); each is moved there as soon as it is
+    read, so the host holds one tensor's slices at a time. The report's memory figures are the
+    host's.
     """
     path = Path(path)
     files = _check_dir(path)
@@ -84,7 +88,9 @@ def load_sharded(path, *, tp_group=None, plan="auto", dtype=None, model_class=No
     dtypes = _dtypes(model, dtype)
     parallelize(model, plan, tp_group=tp_group)
     memory = _Memory()
-    reads = _materialize(model, source_of, meta, dtypes)
+    device = _placed(device)
+    reads = _materialize(model, source_of, meta, dtypes, device)
+    rng_to(model, device)
     peak_delta, anon_delta = memory.deltas()
     rep = model.tp_report
     shard = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -329,14 +335,23 @@ def _numel(shape) -> int:
     return n
 
 
-def _materialize(model, source_of: dict, meta: dict, dtypes: dict) -> _Tally:
-    """Replace every meta parameter by its shard read from disk, and every persistent buffer by
-    the checkpoint's values."""
+def _placed(device) -> torch.device:
+    """``device`` as a torch.device with its index (``"cuda"``: the current GPU); None: the host."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _materialize(model, source_of: dict, meta: dict, dtypes: dict, device: torch.device) -> _Tally:
+    """Replace every meta parameter by its shard read from disk, every persistent buffer by the
+    checkpoint's values, all on ``device`` (the buffers a model computes itself too)."""
     reads, new_of = _Tally(), {}
     for name, p in model.named_parameters():
         spec = getattr(p, "tp_spec", None) or ShardSpec(name)
         key = spec.key if spec.key in source_of else name
-        new = nn.Parameter(reads.read(source_of[key], spec, dtypes[key], meta), requires_grad=p.requires_grad)
+        shard = reads.read(source_of[key], spec, dtypes[key], meta).to(device)
+        new = nn.Parameter(shard, requires_grad=p.requires_grad)
         new.tp_replicas, new.tp_spec = p.tp_replicas, spec
         new_of[id(p)] = new
     for mod in model.modules():
@@ -346,8 +361,12 @@ def _materialize(model, source_of: dict, meta: dict, dtypes: dict) -> _Tally:
     for name, b in model.named_buffers():
         if name in source_of:  # persistent
             owner, _, attr = name.rpartition(".")
-            buffer = reads.read(source_of[name], ShardSpec(name), dtypes[name], meta)
+            buffer = reads.read(source_of[name], ShardSpec(name), dtypes[name], meta).to(device)
             model.get_submodule(owner)._buffers[attr] = buffer
+    for mod in model.modules():  # the others, computed at construction (rotary frequencies), on the host
+        for attr, b in mod._buffers.items():
+            if b is not None and b.device not in (device, torch.device("meta")):
+                mod._buffers[attr] = b.to(device)
     return reads
 
 

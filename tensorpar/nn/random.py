@@ -31,6 +31,7 @@ class RNGStatesTracker:
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
+        self._seeds: dict[str, int] = {}
 
     def add(self, name: str, seed: int) -> None:
         if name in self._states:
@@ -38,6 +39,19 @@ class RNGStatesTracker:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         self._states[name] = generator.get_state()
+        self._seeds[name] = seed
+
+    def on(self, device: str | torch.device) -> "RNGStatesTracker":
+        """A tracker of the same seeds for ``device``'s generator (a model split on one device and
+        run on another: a generator's state is not portable between device types), its states
+        drawn afresh from their seeds; this tracker itself when ``device`` is its own."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = RNGStatesTracker(device)
+        for name, seed in self._seeds.items():
+            moved.add(name, seed)
+        return moved
 
     def get_state(self, name: str = TP_RNG) -> torch.Tensor:
         """State ``name`` as it stands (a checkpoint keeps it)."""

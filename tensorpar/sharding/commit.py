@@ -207,6 +207,14 @@ def rng_fork(model, tp_group, undo) -> "regions.RngFork":
     return fork
 
 
+def rng_to(model, device: torch.device) -> None:
+    """The model's dropout tracker (if it has one) for ``device``'s generator: for a model split
+    on one device (the meta device, when loading) and then placed on another."""
+    fork = model.__dict__.get("_tp_rng_fork")
+    if fork is not None:
+        fork.tracker = fork.tracker.on(device)
+
+
 def module_rank(tp_group) -> int:
     return dist.get_rank(tp_group)
 
