@@ -6,7 +6,7 @@ The only package that calls torch.distributed. Every collective takes its group 
 from tensorpar.distributed.collectives import all_gather, all_reduce, broadcast, reduce_scatter
 from tensorpar.distributed.flight import CollectiveMismatchError, check_collectives
 from tensorpar.distributed.groups import (PlanningGroup, PlanningGroupError, all_gather_object, barrier, broadcast_object,
-                                   get_backend, get_rank, get_world_size, is_initialized, new_group)
+                                   get_backend, get_rank, get_world_size, is_initialized, new_group, rank_device)
 from tensorpar.distributed.launcher import (LaunchTimeoutError, MismatchedCollectivesError, RankFailedError, RankStuckError,
                                      RankUnresponsiveError, launch)
 from tensorpar.distributed.preflight import check_local_world, check_world
@@ -30,7 +30,7 @@ __all__ = [
     "RankStuckError", "RankUnresponsiveError", "check_local_world", "check_world",
     "CollectiveMismatchError", "MismatchedCollectivesError", "check_collectives",
     "get_rank", "get_world_size", "get_backend", "new_group", "barrier", "broadcast_object", "all_gather_object",
-    "is_initialized", "transport", "ShmPeerError",
+    "is_initialized", "rank_device", "transport", "ShmPeerError",
     "PlanningGroup", "PlanningGroupError",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast",
     "copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region",

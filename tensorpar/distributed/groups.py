@@ -1,6 +1,7 @@
 """Process-group queries and construction. ``group=None`` is the default (world) group."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as tdist
 
 from tensorpar.distributed import flight, shm
@@ -90,6 +91,15 @@ def group_name(group=None) -> str:
 
 def get_backend(group=None) -> str:
     return tdist.get_backend(group) if is_initialized() else "none"
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: under NCCL its GPU (the launcher, or torchrun's
+    LOCAL_RANK, set it before the group was made), else the host (gloo and shared memory; a
+    GPU there is the caller's to choose)."""
+    if get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def new_group(ranks: list[int], backend: str | None = None):

@@ -125,7 +125,7 @@ def _task(ckpt, sentences, prompt, prompt_ids, max_new_tokens, options) -> dict:
 def run_worker(spec: dict) -> dict:
     quiet_transformers()
     dtype = DTYPES[spec["dtype"]]
-    model, load = load_sharded(spec["path"], dtype=dtype)
+    model, load = load_sharded(spec["path"], dtype=dtype, device=dist.rank_device())
     model.eval()
     task = _encode if spec["task"] == "sentence-embedding" else generate_rows
     with dist.ledger(model=model, wire=True) as led:

@@ -136,6 +136,8 @@ def generate_rows(model, spec) -> dict:
 def _forward(model, ids, mask) -> torch.Tensor:
     """Logits ``(tokens, V)`` at the real positions of left-padded rows, positions counted as
     ``generate`` counts them (padded queries see no key: their logits are nobody's)."""
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     kwargs = {"attention_mask": mask, "use_cache": False}
     if "position_ids" in inspect.signature(type(model).forward).parameters:
         kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # (B, T)

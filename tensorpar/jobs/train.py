@@ -209,7 +209,7 @@ def _tiny_model(out: Path, seed: int) -> Path:
 def train_worker(spec: dict, tokens, sink) -> dict:
     """One rank: build, resume, train steps ``start+1 .. steps`` (saving), export; what it did and
     holds, and ``stopped``: the step whose loss or gradient norm was not finite (None: none)."""
-    device = _device()
+    device = dist.rank_device()
     model, opt, mesh = _build(spec, device)
     start = _resume(model, opt, spec)
     lead = dist.get_rank() == 0
@@ -275,12 +275,6 @@ def _rows(batch: int, dp: int, dp_rank: int) -> slice:
     """Dp rank ``dp_rank``'s rows of the global batch: ``batch / dp`` of them, in dp rank order."""
     per_rank = batch // dp
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-
-
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":  # the launcher (or torchrun's init) set this rank's GPU
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _resume(model, opt, spec) -> int:

@@ -57,6 +57,6 @@ def sentence_embeddings(model, tokenizer, sentences: list[str], *, max_length: i
     if isinstance(sentences, str) or not sentences or not all(isinstance(s, str) for s in sentences):
         raise ValueError(f"sentences must be a non-empty list of strings, got {sentences!r}")
     batch = tokenizer(sentences, padding=True, truncation=True, return_tensors="pt",
-                      max_length=max_length or max_seq_length())
+                      max_length=max_length or max_seq_length()).to(next(model.parameters()).device)
     out = model(**batch).last_hidden_state  # (N, T, H), whole on every rank
     return F.normalize(mean_pool(out, batch["attention_mask"]), p=2, dim=1)
