@@ -4,7 +4,8 @@ One launch of ``ranks`` processes, one thread each, every rank measuring at once
 cores and the memory bus, as they do in a run); each figure is the slowest rank's:
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
-  512, n and k from 128 to 2048), float32 and float64; fitted to
+  512, n and k from 128 to 1408), float32 and float64, each call on another copy of the weight
+  (64 MiB of them: weights come from memory, as in a model's pass); fitted to
   ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
   relative error (the three coefficients enter linearly), with the fit's median and largest
   relative error reported;
@@ -62,14 +63,21 @@ def _median_time(fn, repeats: int, min_s: float = 0.02) -> float:
     return statistics.median(samples)
 
 
+COLD_BYTES = 64 << 20  # weights cycled per shape: a model's step touches more than any cache holds
+
+
 def gemm_points(dtype, m_sizes, nk_sizes, repeats: int) -> list:
-    """``[m, n, k, seconds]`` of ``F.linear`` over the grid."""
+    """``[m, n, k, seconds]`` of ``F.linear`` over the grid, each call on the next of enough
+    copies of the weight to fill ``COLD_BYTES`` (so weights come from memory, as in a model's
+    pass over its layers, not from a cache the model would not fit in)."""
     out = []
     for n, k in nk_sizes:
-        w = torch.randn(n, k, dtype=dtype)
+        copies = max(1, COLD_BYTES // (n * k * dtype.itemsize))
+        weights = [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
         for m in m_sizes:
             x = torch.randn(m, k, dtype=dtype)
-            out.append([m, n, k, _median_time(lambda: F.linear(x, w), repeats)])
+            turn = iter(range(1 << 62))
+            out.append([m, n, k, _median_time(lambda: F.linear(x, weights[next(turn) % copies]), repeats)])
     return out
 
 

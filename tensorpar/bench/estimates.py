@@ -16,7 +16,8 @@ rank, float32, the ~25M Llama (``BENCH_LLAMA``):
   and 8, prompt ``PROMPT``.
 
 Cases run in interleaved rounds (:func:`~tensorpar.bench.timing.interleaved`), each time taken on
-the slowest rank; the figure is the median over rounds. The planner sees the checkpoint's own split
+the slowest rank; the figure is the median over rounds (a decode step's: of each round's
+``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
 """
 from __future__ import annotations
@@ -84,17 +85,6 @@ def judged(measured_s: float, est: dict) -> dict:
 
 # ---- the runs ----------------------------------------------------------------------------------
 
-def _slowest(fn):
-    """``fn`` timed on every rank; the slowest rank's seconds (returned by the timing collective)."""
-    def run():
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op="max")
-        return t.item()
-    return run
-
-
 def _train_cases(dense, ids) -> dict:
     """``{case: (layout, step)}``."""
     half = ids[dist.get_rank() * (len(ids) // 2):(dist.get_rank() + 1) * (len(ids) // 2)]
@@ -137,7 +127,7 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     rows = []
     cases = _train_cases(dense, ids)
-    samples = interleaved({name: _slowest(step) for name, (_, step) in cases.items()}, repeats, warmup=2)
+    samples = interleaved({name: step for name, (_, step) in cases.items()}, repeats, warmup=2)
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq),
@@ -163,14 +153,15 @@ def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int) 
     runs = {}
     for name, model, engine, b, what, _, _ in cases:
         ids = prompts[b]
-        one = _slowest(lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e))
+        runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
         if what == "decode":
-            many = _slowest(lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e))
-            runs[name] = (lambda o=one, n=many: (n() - o()) / (new - 1))
-        else:
-            runs[name] = one
+            runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
     with torch.no_grad():
-        samples = interleaved(runs, repeats, warmup=1)
+        timed = interleaved(runs, repeats, warmup=1)
+    samples = {}  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
+    for name, _, _, _, what, _, _ in cases:
+        samples[name] = timed[f"{name}/1"] if what == "prefill" else [
+            (n - o) / (new - 1) for o, n in zip(timed[f"{name}/1"], timed[f"{name}/n"])]
     rows = []
     for name, _, engine, b, what, transport, est_engine in cases:
         layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
@@ -207,3 +198,45 @@ def estimates_table(rows: list[dict]) -> str:
         f"| {r['case']} | {r['layout']} | {r['measured_s'] * 1e3:.3g} ms | {r['estimate_s'] * 1e3:.3g} ms | "
         f"{r['measured_vs_estimate']:.2f} | {'yes' if r['within_target'] else '**no**'} | {r['dominant']} |"
         for r in rows) + "\n"
+
+
+# ---- the measured point of `plan --search-tp` ------------------------------------------------------
+
+def measure_decode(path, tps: list, batch: int, context: int, new: int = NEW, repeats: int = 3) -> dict:
+    """``{tp: seconds per decode token}`` on this machine at each tp of ``tps`` (one launch of
+    ``max(tps)`` ranks, one thread each; tp 1: the unsplit model through the lean forward), a
+    ``batch`` of prompts long enough that the mean context over ``new`` tokens is ``context``."""
+    prompt = context - new // 2
+    if prompt < 1:
+        raise ValueError(f"context ({context}) must exceed {new // 2} (half the {new} tokens generated)")
+    return dist.launch(_measure_worker, max(tps), str(path), sorted(tps), batch, prompt, new, repeats,
+                       backend="auto", timeout=600)[0]
+
+
+def _measure_worker(path: str, tps: list, batch: int, prompt: int, new: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    dist.check_collectives(False)
+    out = {}
+    for tp in tps:
+        members = list(range(tp))
+        group = dist.new_group(members, backend="shm") if tp > 1 else None
+        if dist.get_rank() in members:
+            model = (load_sharded(path, tp_group=group, dtype=torch.float32)[0] if tp > 1 else
+                     AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+            vocab = model.config.vocab_size
+            ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+            per_token = []
+            with torch.no_grad():
+                generate(model, ids, 2)
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    generate(model, ids, 1)
+                    one = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    generate(model, ids, new)
+                    per_token.append((time.perf_counter() - t0 - one) / (new - 1))
+            out[tp] = statistics.median(per_token)
+        dist.barrier()
+    return out

@@ -273,22 +273,47 @@ def _search_tp(args, model, hardware) -> int:
         profile = with_latency(profile or published(hardware), latency_s(args))
     result = search_tp(model, hardware, profile=profile, micro_batch=args.micro_batch, seq=args.seq,
                        dtype=args.dtype, max_tp=args.max_tp)
+    _measured_point(args, result)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
         console = progress.console(highlight=False)
         t = _table(f"decode at each tp on {result.hardware} (estimates from {result.profile}), batch "
                    f"{result.micro_batch}, context {result.context}", "tp", "fits", "decode/token", "tokens/s",
-                   "lower bound", "work", "collectives", "prefill", "memory/device")
+                   "lower bound", "work", "collectives", "prefill", "memory/device", "measured here")
         for r in result.rows:
             t.add_row(str(r["tp"]), "yes" if r["feasible"] else "[red]no[/]", _s(r["decode_time_per_token_s"]),
                       f"{r['decode_tokens_per_s']:,.0f}" if r["decode_tokens_per_s"] else "", _s(r["decode_lower_bound_s"]),
                       _s(r["work_s"]), _s(r["collectives_s"]), _s(r["prefill_time_s"]),
-                      _bytes(r["memory_per_device_bytes"]) if r["memory_per_device_bytes"] else "")
+                      _bytes(r["memory_per_device_bytes"]) if r["memory_per_device_bytes"] else "",
+                      _s(r.get("measured_decode_time_per_token_s")))
         console.print(t)
         for line in result.explanation:
             console.print(f"- {line}")
     return 0 if result.best is not None else 1
+
+
+def _measured_point(args, result) -> None:
+    """With a calibrated profile and a checkpoint folder: each tp that fits this machine's ranks
+    decoded here, its time per token beside the estimate (``measured_decode_time_per_token_s``)."""
+    path = config_file(args.model)
+    if args.profile is None or path is None or not any(path.parent.glob("*.safetensors")):
+        return None
+    from tensorpar.bench.estimates import measure_decode
+
+    ranks = int(args.profile.measured.get("ranks", 1))
+    tps = [r["tp"] for r in result.rows if r["tp"] <= ranks and r["feasible"]]
+    if not tps:
+        return None
+    measured = measure_decode(path.parent, tps, args.micro_batch, result.context)
+    for r in result.rows:
+        if r["tp"] in measured:
+            r["measured_decode_time_per_token_s"] = measured[r["tp"]]
+            r["measured_vs_estimate"] = measured[r["tp"]] / r["decode_time_per_token_s"]
+    result.explanation.append("Measured here (" + ", ".join(
+        f"tp={tp}: {measured[tp] * 1e3:.3f} ms, {measured[tp] / next(r for r in result.rows if r['tp'] == tp)['decode_time_per_token_s']:.2f}x the estimate"
+        for tp in sorted(measured)) + ").")
+    return None
 
 
 def _layout(args) -> planner.Layout:

@@ -64,6 +64,9 @@ def add_parser(sub) -> None:
                         "there, exit 1, naming the step)")
     p.add_argument("--backend", default="auto", metavar="NAME",
                    help="auto (NCCL with a GPU per rank, else shared memory between local ranks), shm, gloo, nccl")
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="a hardware profile from tensorpar calibrate: the report puts the planner's estimate of a "
+                        "step beside the median of the run's steps")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.set_defaults(func=main)
 
@@ -77,7 +80,7 @@ def main(args) -> int:
                       zero=args.zero, steps=args.steps, lr=args.lr, batch=args.batch, seq=args.seq, data=args.data,
                       save_every=args.save_every, out=args.out, resume=args.resume, export=args.export,
                       max_norm=args.max_norm, weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype,
-                      backend=args.backend, allow_nonfinite=args.allow_nonfinite)
+                      backend=args.backend, allow_nonfinite=args.allow_nonfinite, profile=args.profile)
     try:
         with _Progress(quiet=args.json) as bar:
             report = train(cfg, on_event=bar.on_event if bar.live else None, phase=bar.phase)
@@ -170,6 +173,11 @@ def _show(r) -> None:
     con.print(t)
     _memory_table(con, r)
     _communication_table(con, r)
+    e = r.time_estimate
+    if e is not None:
+        con.print(f"step time: measured {e['measured_s'] * 1e3:.1f} ms (median of {e['steps_timed']} steps), planner's "
+                  f"estimate {e['estimate_s'] * 1e3:.1f} ms from {e['profile']} (measured / estimate "
+                  f"{e['measured_vs_estimate']:.2f}; largest term {e['dominant']})")
     for path in r.checkpoints:
         con.print(f"checkpoint: {path}")
     if r.export:

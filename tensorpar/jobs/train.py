@@ -44,6 +44,7 @@ from tensorpar.apply import parallelize
 from tensorpar.data import batch_for_step, open_tokens
 from tensorpar.distributed import dp_engines
 from tensorpar.jobs import train_checks as checks, train_plan
+from tensorpar.planner.profile import load as load_profile
 from tensorpar.jobs.common import (DTYPES, check_length, check_tp, dense_model, is_decoder, no_phase,
                                    open_checkpoint, quiet_transformers, vocab_size)
 from tensorpar.jobs.relay import Relay
@@ -83,6 +84,7 @@ class TrainConfig:
     dtype: str = "float32"
     backend: str = "auto"
     allow_nonfinite: bool = False  # go on past a step whose loss or gradient norm is NaN or inf
+    profile: str | None = None  # a hardware profile (tensorpar calibrate): the planner's step time beside the run's
 
 
 class NonFiniteLossError(RuntimeError):
@@ -118,6 +120,8 @@ class TrainReport:
     export: str | None
     png: str | None
     out: str
+    # with a profile: the planner's step time beside the median of the run's steps (train_plan.time_estimate)
+    time_estimate: dict | None = None
 
     def to_dict(self) -> dict:
         return {"ok": True, **asdict(self)}
@@ -158,6 +162,8 @@ def prepare(cfg: TrainConfig) -> dict:
     checks.check_numbers(cfg)
     checks.check_layout(cfg)
     checks.check_paths(cfg)
+    if cfg.profile is not None:  # a wrong or unreadable profile is refused before any rank starts
+        load_profile(cfg.profile)
     checks.check_world(cfg.pp * cfg.dp * cfg.tp, cfg.backend, dims="pp x dp x tp" if cfg.pp > 1 else "dp x tp")
     out = Path(cfg.out)  # made once every check passed (or to hold the tiny model): a refusal leaves nothing
     ckpt = open_checkpoint(_tiny_model(out, cfg.seed) if cfg.model is None else cfg.model)
@@ -333,7 +339,7 @@ def _report(cfg: TrainConfig, plan: dict, per_rank: list) -> TrainReport:
         memory_per_rank=train_plan.with_plan(cfg, plan["inventory"], per_rank, plan["pipeline"]),
         communication_per_rank=train_plan.communication(cfg, plan, per_rank),
         checkpoints=rank0["checkpoints"], resumed_from=spec["resume"], export=spec["export"], png=None,
-        out=str(plan["out"]))
+        out=str(plan["out"]), time_estimate=train_plan.time_estimate(cfg, ckpt.path, hist, plan["pipeline"], cfg.profile))
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process holds the report: one figure
         report.png = plot_losses(report.step_numbers, report.losses, str(plan["out"] / "loss.png"),
                                  title=_title(report))
