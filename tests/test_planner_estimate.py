@@ -19,7 +19,7 @@ from tensorpar.planner.hardware import get_hardware
 from tensorpar.planner.models import ModelSpec, get_model
 from tensorpar.planner.source import source_of
 from tensorpar.planner.profile import FORMAT, Gemm, Link, from_dict, load, published, with_latency
-from tensorpar.planner.tp_search import search_tp
+from tensorpar.planner.tp_search import search_tp, stops_paying
 from tests.test_planner_cases import BY_ID, CASES
 
 TARGET = 0.20  # issue 23: within 20% of the published measurement
@@ -152,6 +152,15 @@ def test_decode_reads_the_weights_and_the_cache():
     assert dec(1, 512)["terms"]["tp_comm_s"] == 0 < dec(2, 512)["terms"]["tp_comm_s"]
 
 
+def test_decode_reads_a_grouped_layers_keys_and_values_once():
+    """Llama 3 8B: 32 query heads share 8 K/V heads; at a long context the attention term is the
+    cache read (8 heads' keys and values per layer, not 32 heads')."""
+    m, prof = get_model("llama-3-8b"), _flat(mem=1e12, gemm_rate=1e15)
+    r = plan(m, Layout(dtype="bf16", workload="inference"), get_hardware("h100-sxm"), profile=prof, seq=8192)
+    kv_bytes = 2 * 8192 * source_of(m).at(1).kv_elems_per_token()
+    assert r.estimates["decode"]["terms"]["attention_s"] == pytest.approx(kv_bytes / 1e12, rel=0.02)
+
+
 def test_search_tp_finds_where_more_ranks_stop_paying():
     m, hw = get_model("llama-2-7b"), get_hardware("h100-sxm")
     free = search_tp(m, hw, profile=_flat(mem=1e12, alpha=0.0, beta_bw=1e15), seq=512)
@@ -161,6 +170,26 @@ def test_search_tp_finds_where_more_ranks_stop_paying():
     assert slow.best["tp"] == 1 and slow.stops_paying_at == 2  # 1 ms per collective: tp 2 already loses
     assert "stops paying at tp=2" in " ".join(slow.explanation)
     assert search_tp(m, hw, max_tp=2).rows[-1]["tp"] == 2
+
+
+def test_a_tp_stops_paying_when_it_is_not_5_percent_faster():
+    assert stops_paying([(1, 10.0), (2, 6.0), (4, 4.0)]) is None
+    assert stops_paying([(1, 10.0), (2, 6.0), (4, 5.9), (8, 3.0)]) == 4  # faster, but by under 5%
+    assert stops_paying([(1, 10.0), (2, 11.0)]) == 2
+    assert stops_paying([(1, 10.0)]) is None
+
+
+def test_the_optimizer_moves_its_bytes_per_parameter_over_its_share():
+    """PyTorch's foreach AdamW with clipping: 96 bytes per fp32 parameter the rank updates; under
+    FSDP / ZeRO each dp rank updates 1/dp of them."""
+    m, prof = get_model("megatron-1.2b"), _flat(mem=1e11)
+    hw = get_hardware("h100-sxm")
+    n = source_of(m).at(1).params_total
+    plain = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32"), hw, profile=prof, seq=64).estimates["step"]["terms"]
+    sharded = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32", zero_stage=3), hw, profile=prof,
+                   seq=64).estimates["step"]["terms"]
+    assert plain["optimizer_s"] == pytest.approx(n * 96 / 1e11)
+    assert sharded["optimizer_s"] == pytest.approx(plain["optimizer_s"] / 2)
 
 
 def test_estimates_are_not_below_the_bounds_on_the_presets():

@@ -10,11 +10,12 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
   relative error (the three coefficients enter linearly), with the fit's median and largest
   relative error reported;
 - **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
-- **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 3 blocks, split at tp = ranks and
-  unsplit, timed for a forward of 4 tokens, a training step (``train_step``: loss, backward,
-  clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's); the slope over
-  blocks is the cost of one block call, the intercept the step's own; the time spent inside
-  collectives (the ledger's) is taken out, as the estimate counts collectives by their own fit;
+- **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 4 blocks, split at tp = ranks and
+  unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
+  backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
+  data-parallel over the ranks (DDP, FSDP) for a training step; the slope over blocks is the cost
+  of one block call, the intercept the step's own; the time spent inside collectives (the
+  ledger's) is taken out, as the estimate counts collectives by their own fit;
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (relative least squares), the fit's errors reported.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
+from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model
@@ -127,44 +129,57 @@ def memory_rate(repeats: int) -> float:
 
 # ---- a block's fixed cost -------------------------------------------------------------------------
 
-def _net(fn, repeats: int) -> float:
-    """Median seconds of ``fn`` less the time it spent inside collectives."""
-    samples = []
+def _net(fn, repeats: int, min_s: float = 0.03) -> float:
+    """Median seconds of ``fn`` less the time it spent inside collectives; each sample repeats
+    ``fn`` for ``min_s`` (a short call's noise averaged). Every rank runs the same count (they
+    meet in ``fn``'s collectives): the count is agreed on from rank 0's first timing."""
+    t0 = time.perf_counter()
     fn()
+    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.broadcast(first, 0)
+    calls = max(1, min(50, int(min_s / max(first.item(), 1e-6))))
+    samples = []
     for _ in range(repeats):
         with dist.ledger() as led:
             t0 = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             wall = time.perf_counter() - t0
-        samples.append(wall - led.seconds_in_collectives())
+        samples.append((wall - led.seconds_in_collectives()) / calls)
     return statistics.median(samples)
 
 
-def _models(layers: int, split: bool):
+def _models(layers: int, kind: str):
+    """A tiny Llama: ``split`` at tp = world, ``dense``, or data-parallel over the world (``ddp``, ``fsdp``)."""
     model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=layers, **TINY)
-    if split:
+    if kind == "split":
         model = parallelize(model)
+    elif kind in ("ddp", "fsdp"):
+        model = parallelize(model, mesh=init_mesh(dist.get_world_size(), 1), data_parallel=kind)
     return model
 
 
 LAYERS = (1, 4)  # the tiny models' blocks: the slope over them is one block's cost
 
 
-def block_costs(split: bool, repeats: int, new: int = 17) -> dict:
+def block_costs(kind: str, repeats: int, new: int = 17) -> dict:
     """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
     tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
     (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
-    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``)."""
+    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``); a data-parallel model (``kind`` ``ddp`` or
+    ``fsdp``) its training step only."""
     ids = torch.arange(4).reshape(1, 4)
     per_l = {}
     for layers in LAYERS:
-        model = _models(layers, split)
+        model = _models(layers, kind)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        fwd = _net(lambda: _forward(model, ids), repeats)
         model.train()
-        train = _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats)
+        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats)}
+        if kind in ("ddp", "fsdp"):
+            per_l[layers] = phases
+            continue
         model.eval()
-        phases = {"forward": fwd, "train": train}
+        phases["forward"] = _net(lambda: _forward(model, ids), repeats)
         for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
             one = _net(lambda: generate(model, ids, 1, engine=engine), repeats)
             many = _net(lambda: generate(model, ids, new, engine=engine), repeats)
@@ -210,7 +225,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     t0 = time.perf_counter()
     mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats) for k, dt in DTYPES.items()},
             "memory": memory_rate(repeats),
-            "blocks": {"split": block_costs(True, repeats, new), "dense": block_costs(False, repeats, new)}}
+            "blocks": {kind: block_costs(kind, repeats, new) for kind in ("split", "dense", "ddp", "fsdp")}}
     mine["links"] = link_points(dist.get_world_size(), payloads, repeats)
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
@@ -253,9 +268,9 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
     gemm = {k: fit_gemm(pts, DTYPES[k].itemsize) for k, pts in m["gemm"].items()}
     links = {tr: Link(tr, {op: {str(p): fit_link(pts) for p, pts in table.items()} for op, table in ops.items()})
              for tr, ops in m["links"].items()}
-    split, dense = m["blocks"]["split"], m["blocks"]["dense"]
-    block = {ph: split[ph][0] for ph in split} | {f"{ph}@tp1": dense[ph][0] for ph in dense}
-    step = {ph: split[ph][1] for ph in split} | {f"{ph}@tp1": dense[ph][1] for ph in dense}
+    suffix = {"split": "", "dense": "@tp1", "ddp": "@ddp", "fsdp": "@fsdp"}
+    block = {f"{ph}{suffix[kind]}": v[0] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
+    step = {f"{ph}{suffix[kind]}": v[1] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
     shm_ar = links["shm"].ops["all_reduce"][str(2)]
     link_bw = 1.0 / shm_ar["beta_s_per_byte"] if shm_ar["beta_s_per_byte"] > 0 else 1e12
     gloo_ar = links["gloo"].ops["all_reduce"][str(2)]

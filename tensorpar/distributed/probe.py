@@ -1,8 +1,8 @@
 """Timing one collective on a group, for ``tensorpar calibrate`` (:mod:`tensorpar.bench.calibrate`).
 
 Every member calls :func:`time_collective` with the same arguments; each returns the median of
-``repeats`` timed calls, each call started together (a barrier before every call, so a rank's
-wait for a late peer is not counted as the collective's cost). ``op``: ``all_reduce``,
+``repeats`` samples, each a barrier then back-to-back calls (up to 32, fewer for large payloads:
+the same count on every rank), so a rank's wait for a late peer at the start is spread thin. ``op``: ``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``broadcast`` (through :mod:`.collectives`, as the runtime
 calls them) or ``send`` (a point-to-point send from group rank 0 to group rank 1 and back, as
 pipeline stages exchange activations; half the round trip).
@@ -52,11 +52,13 @@ def time_collective(op: str, payload_bytes: int, group, ranks: list, *, repeats:
     n -= n % p
     x = torch.ones(n // p if op == "all_gather" else n, dtype=dtype)
     _call(op, x.clone(), group, ranks)  # warm-up: buffers, segments
+    calls = max(1, min(32, (1 << 20) // max(payload_bytes, 1)))  # back to back: the barrier's skew amortised
     times = []
     for _ in range(repeats):
         barrier(group)
         t0 = time.perf_counter()
-        _call(op, x, group, ranks)
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            _call(op, x, group, ranks)
+        times.append((time.perf_counter() - t0) / calls)
     t = statistics.median(times)
     return t / 2 if op == "send" else t

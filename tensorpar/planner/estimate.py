@@ -18,14 +18,16 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   unfused attention adds its score tensors (softmax, mask, dropout: 4 passes each way, 5 with
   dropout). Bytes over the achieved memory bandwidth.
 - **fixed cost** (``fixed_s``): ``block_call_s`` per block call and ``step_call_s`` per step
-  (embedding, head, loop) from the profile. On a synchronous host (CPU) it adds to the work; on
+  (embedding, head, loop) from the profile, measured under the layout's data-parallel engine
+  where the profile has it (FSDP's hooks and sharded optimizer cost more per block than DDP's). On a synchronous host (CPU) it adds to the work; on
   a GPU, kernels queue behind the work, so only what exceeds the work shows.
 - **collectives** (``tp_comm_s``, ``pp_comm_s``, ``dp_comm_s``): every item the planner counts
   (:mod:`.traffic`) at the link's ``alpha + n beta`` for its group size and its link (inside a
   node or across). Tensor-parallel and pipeline collectives wait for the compute (they sit on the
   critical path). Data-parallel gradient reduction overlaps the backward only where the runtime
   overlaps it (:class:`Runtime`): then only what exceeds the backward, and at least the last
-  bucket, shows.
+  bucket, shows. FSDP and ZeRO also copy each gathered or reduced buffer in and out (read and
+  written twice).
 - **pipeline bubble** (``bubble_s``): the schedule's idle share (:mod:`.schedules`) of the
   busiest rank's busy time: ``busy * f / (1 - f)``.
 - **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times the bytes
@@ -230,7 +232,8 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
             best = (work, total, rank)
     work, per_micro, rank = best
     terms = {k: m * v for k, v in work.items()}
-    calls = m * (stage.blocks * profile.block_s("train", split.tp) + profile.step_s("train", split.tp))
+    engine = ("fsdp" if layout.zero_stage == 3 else "ddp") if layout.dp > 1 else None
+    calls = m * (stage.blocks * profile.block_s("train", split.tp, engine) + profile.step_s("train", split.tp, engine))
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - m * per_micro)
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
@@ -238,7 +241,7 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
     f = bubble_fraction(layout.schedule, pp=layout.pp, microbatches=m, virtual=layout.virtual_stages) \
         if layout.pp > 1 else 0.0
     terms["bubble_s"] = busy * f / (1.0 - f) if f < 1 else 0.0
-    dp = comm["dp"]
+    dp = comm["dp"] + _sharded_copies(items, profile)
     if runtime.dp_overlap and dp > 0:
         backward = 2.0 / 3.0 * m * per_micro
         last = min(dp, comm_seconds([_last_bucket(items, runtime.bucket_bytes)], placement, layout.pp,
@@ -250,6 +253,15 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
         / profile.memory_bytes_per_s if layout.workload == "train" else 0.0
     return _summary(terms, tokens=float(layout.global_batch * seq) / layout.dp, extra={"bubble_fraction": f,
                     "tp_rank": rank, "pp_rank": pp_rank, "runtime": runtime.name})
+
+
+def _sharded_copies(items, profile: Profile) -> float:
+    """FSDP and ZeRO copy each gathered or reduced buffer in and out (parameters into the
+    all-gather's buffer and out to the unit, gradients into the reduce-scatter's): two passes of
+    its bytes through memory, read and written."""
+    moved = sum(it.count * it.payload_bytes for it in items
+                if it.group == "dp" and it.op in ("all_gather", "reduce_scatter"))
+    return 4.0 * moved / profile.memory_bytes_per_s
 
 
 def _last_bucket(items, bucket_bytes: float):

@@ -12,7 +12,8 @@ what a device achieves, which is what an estimate needs:
   dispatch, Python, kernel launches) at vanishing size, by phase: ``forward`` (a plain forward),
   ``prefill`` (a prompt through ``generate``), ``train`` (a training step), ``decode`` (one
   token through tensorpar's lean forward), ``decode_hf`` (one token through Hugging Face's
-  forward); ``phase@tp1`` the unsplit model's, where measured;
+  forward); ``phase@tp1`` the unsplit model's, ``train@ddp`` / ``train@fsdp`` a data-parallel
+  one's, where measured;
 - ``links[name][op][p]``: a collective of ``n`` payload bytes in a group of ``p`` ranks takes
   ``alpha_s + n * beta_s_per_byte``; ``intra_link`` and ``inter_link`` name the links a group
   inside one node and across nodes use;
@@ -74,6 +75,15 @@ class Link:
         return fit["alpha_s"] + payload_bytes * beta
 
 
+def _key(table: dict, phase: str, tp: int, dp_engine: str | None) -> str:
+    """The most specific measured key: ``phase@fsdp`` / ``phase@ddp`` for a data-parallel model
+    without tp, ``phase@tp1`` for an unsplit one, else ``phase``."""
+    for key in ((f"{phase}@{dp_engine}" if dp_engine and tp == 1 else None), (f"{phase}@tp1" if tp == 1 else None)):
+        if key in table:
+            return key
+    return phase
+
+
 def _ring(op: str, p: int) -> float:
     """Ring bytes each rank moves per payload byte (NVIDIA/nccl-tests doc/PERFORMANCE.md)."""
     if op == "all_reduce":
@@ -124,14 +134,14 @@ class Profile:
             return self.gemm[twin]
         raise ValueError(f"profile {self.name!r} has no GEMM figures for {dtype!r}; it has: {', '.join(self.gemm)}")
 
-    def block_s(self, phase: str, tp: int) -> float:
-        """Fixed cost of one block call in ``phase``; an unsplit model's (``phase@tp1``) where measured."""
-        return self.block_call_s.get(f"{phase}@tp1", self.block_call_s[phase]) if tp == 1 else self.block_call_s[phase]
+    def block_s(self, phase: str, tp: int, dp_engine: str | None = None) -> float:
+        """Fixed cost of one block call in ``phase``: measured under the data-parallel engine
+        (``phase@ddp``, ``phase@fsdp``) or unsplit (``phase@tp1``) where the profile has it."""
+        return self.block_call_s.get(_key(self.block_call_s, phase, tp, dp_engine), 0.0)
 
-    def step_s(self, phase: str, tp: int) -> float:
+    def step_s(self, phase: str, tp: int, dp_engine: str | None = None) -> float:
         """Fixed cost of one step in ``phase`` besides its blocks (embedding, head, loss, loop)."""
-        table = self.step_call_s
-        return table.get(f"{phase}@tp1", table.get(phase, 0.0)) if tp == 1 else table.get(phase, 0.0)
+        return self.step_call_s.get(_key(self.step_call_s, phase, tp, dp_engine), 0.0)
 
     def link(self, local: bool) -> Link:
         return self.links[self.intra_link if local else self.inter_link]

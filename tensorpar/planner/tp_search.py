@@ -63,10 +63,15 @@ def search_tp(model, hardware: Hardware, *, profile: Profile | None = None, micr
     timed = [r for r in rows if r["feasible"] and r["decode_time_per_token_s"] is not None]
     if timed:
         out.best = min(timed, key=lambda r: (r["decode_time_per_token_s"], r["tp"]))
-        out.stops_paying_at = next((b["tp"] for a, b in zip(timed, timed[1:])
-                                    if b["decode_time_per_token_s"] > (1 - PAYS) * a["decode_time_per_token_s"]), None)
+        out.stops_paying_at = stops_paying([(r["tp"], r["decode_time_per_token_s"]) for r in timed])
     out.explanation = _explain(out, timed, rows)
     return out
+
+
+def stops_paying(times: list) -> int | None:
+    """The first tp of ``[(tp, seconds per token)]`` (ascending tp) not at least :data:`PAYS`
+    faster than the one before it; None when every one is."""
+    return next((b for (_, ta), (b, tb) in zip(times, times[1:]) if tb > (1 - PAYS) * ta), None)
 
 
 def _explain(out: TpSearch, timed: list, rows: list) -> list[str]:
