@@ -70,10 +70,10 @@ class Runtime:
 # PyTorch's AdamW (foreach, the default) with clipping, as tensorpar.train_step runs it: about
 # twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
 # its scaling and epsilon, the update; the norm and the clip): 96 bytes per parameter.
-TENSORPAR = Runtime("tensorpar")
+ON_CPU = Runtime("tensorpar")
 # On a GPU the same code, with DDP's gradient buckets overlapping the backward (its reducer's
 # hooks fire per bucket as gradients are ready).
-TENSORPAR_GPU = Runtime("tensorpar (GPU)", dp_overlap=True)
+ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True)
 # Megatron-LM as published in 2020 (README tables): unfused attention with dropout on the scores,
 # apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
 # fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
@@ -81,11 +81,11 @@ MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes
 # Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
 # gradients all-reduced after the backward (its own DDP, no overlap).
 MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False)
-RUNTIMES = {r.name: r for r in (TENSORPAR, TENSORPAR_GPU, MEGATRON_2020, MEGATRON_2021)}
+RUNTIMES = {r.name: r for r in (ON_CPU, ON_GPU, MEGATRON_2020, MEGATRON_2021)}
 
 
 def default_runtime(profile: Profile) -> Runtime:
-    return TENSORPAR if profile.synchronous else TENSORPAR_GPU
+    return ON_CPU if profile.synchronous else ON_GPU
 
 
 # ---- the work of one micro-batch on one rank ---------------------------------------------------
