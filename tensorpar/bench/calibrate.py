@@ -18,7 +18,8 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
   ledger's) is taken out, as the estimate counts collectives by their own fit;
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
-  ``alpha + n beta`` (relative least squares), the fit's errors reported.
+  ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
+  fit's errors reported.
 """
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ from tensorpar.planner.profile import Gemm, Link, Profile
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 M_SIZES = (1, 8, 64, 512)
 NK_SIZES = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
-PAYLOADS = tuple(8 * 8 ** k for k in range(8)) + (16 << 20,)  # 8 B ... 16 MiB
+PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
+SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64)
-QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5)
+QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5,
+             quick=True)
 
 
 def _median_time(fn, repeats: int, min_s: float = 0.02) -> float:
@@ -109,12 +112,19 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def fit_link(points: list) -> dict:
-    """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``."""
+    """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``: the latency
+    ``alpha`` is the median time of the small payloads (at most ``SMALL`` bytes: there the bytes
+    cost nothing, and a transport's latency is often bimodal, which a straight line through every
+    size would average away), ``beta`` the median of ``(t - alpha) / n`` over the large ones (at
+    least ``LARGE`` bytes); the fit's errors are over every point."""
+    small = [s for n, s in points if n <= SMALL] or [min(s for _, s in points)]
+    alpha = float(statistics.median(small))
+    large = [(s - alpha) / n for n, s in points if n >= LARGE and s > alpha]
+    beta = float(statistics.median(large)) if large else 0.0
     t = np.array([s for _, s in points])
-    cols = np.array([[1.0, float(n)] for n, _ in points])
-    alpha, beta = _nonneg_lstsq(cols, t)
-    err = np.abs(cols @ np.array([alpha, beta]) - t) / t
-    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+    pred = np.array([alpha + beta * n for n, _ in points])
+    err = np.abs(pred - t) / t
+    return {"alpha_s": alpha, "beta_s_per_byte": beta,
             "fit": {"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()),
                     "points": [[int(n), float(s)] for n, s in points]}}
 
@@ -129,7 +139,7 @@ def memory_rate(repeats: int) -> float:
 
 # ---- a block's fixed cost -------------------------------------------------------------------------
 
-def _net(fn, repeats: int, min_s: float = 0.03) -> float:
+def _net(fn, repeats: int, min_s: float = 0.05) -> float:
     """Median seconds of ``fn`` less the time it spent inside collectives; each sample repeats
     ``fn`` for ``min_s`` (a short call's noise averaged). Every rank runs the same count (they
     meet in ``fn``'s collectives): the count is agreed on from rank 0's first timing."""
@@ -159,35 +169,39 @@ def _models(layers: int, kind: str):
     return model
 
 
-LAYERS = (1, 4)  # the tiny models' blocks: the slope over them is one block's cost
+LAYERS = (1, 6)  # the tiny models' blocks: the slope over them is one block's cost
+BATCHES = (1, 8)  # inference's fixed costs at each: a larger batch costs more per call (cache, sampling)
 
 
-def block_costs(kind: str, repeats: int, new: int = 17) -> dict:
+def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05) -> dict:
     """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
     tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
     (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
-    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``); a data-parallel model (``kind`` ``ddp`` or
-    ``fsdp``) its training step only."""
+    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at each of ``BATCHES``
+    (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or ``fsdp``) its training
+    step only."""
     ids = torch.arange(4).reshape(1, 4)
     per_l = {}
-    for layers in LAYERS:
-        model = _models(layers, kind)
+    for depth in layers:
+        model = _models(depth, kind)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model.train()
-        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats)}
+        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats, min_s)}
         if kind in ("ddp", "fsdp"):
-            per_l[layers] = phases
+            per_l[depth] = phases
             continue
         model.eval()
-        phases["forward"] = _net(lambda: _forward(model, ids), repeats)
-        for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
-            one = _net(lambda: generate(model, ids, 1, engine=engine), repeats)
-            many = _net(lambda: generate(model, ids, new, engine=engine), repeats)
-            phases[key] = (many - one) / (new - 1)
-            if engine == "auto":
-                phases["prefill"] = one
-        per_l[layers] = phases
-    lo, hi = LAYERS
+        phases["forward"] = _net(lambda: _forward(model, ids), repeats, min_s)
+        for b in batches:
+            tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
+            for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
+                one = _net(lambda: generate(model, prompts, 1, engine=engine), repeats, min_s)
+                many = _net(lambda: generate(model, prompts, new, engine=engine), repeats, min_s)
+                phases[key + tag] = (many - one) / (new - 1)
+                if engine == "auto":
+                    phases["prefill" + tag] = one
+        per_l[depth] = phases
+    lo, hi = layers
     out = {}
     for k in per_l[lo]:
         per_block = max(0.0, (per_l[hi][k] - per_l[lo][k]) / (hi - lo))
@@ -219,13 +233,18 @@ def link_points(world: int, payloads, repeats: int) -> dict:
 
 # ---- the job --------------------------------------------------------------------------------------
 
-def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17) -> list:
-    """Every rank's measurements (each rank gets all of them)."""
+def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
+                     quick: bool = False) -> list:
+    """Every rank's measurements (each rank gets all of them). ``quick``: the fixed costs of the
+    split and unsplit models only, at batch 1, over 1 and 2 blocks, short samples (a smoke run)."""
     torch.set_num_threads(1)
     t0 = time.perf_counter()
+    kinds, kw = ("split", "dense", "ddp", "fsdp"), {}
+    if quick:
+        kinds, kw = ("split", "dense"), dict(layers=(1, 2), batches=(1,), min_s=0.0)
     mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats) for k, dt in DTYPES.items()},
             "memory": memory_rate(repeats),
-            "blocks": {kind: block_costs(kind, repeats, new) for kind in ("split", "dense", "ddp", "fsdp")}}
+            "blocks": {kind: block_costs(kind, repeats, new, **kw) for kind in kinds}}
     mine["links"] = link_points(dist.get_world_size(), payloads, repeats)
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
@@ -260,8 +279,8 @@ def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profi
 
 
 def _args(kw: dict) -> tuple:
-    full = dict(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats=5, new=17) | kw
-    return full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"]
+    full = dict(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats=5, new=17, quick=False) | kw
+    return full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"], full["quick"]
 
 
 def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: bool) -> Profile:
@@ -269,8 +288,12 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
     links = {tr: Link(tr, {op: {str(p): fit_link(pts) for p, pts in table.items()} for op, table in ops.items()})
              for tr, ops in m["links"].items()}
     suffix = {"split": "", "dense": "@tp1", "ddp": "@ddp", "fsdp": "@fsdp"}
-    block = {f"{ph}{suffix[kind]}": v[0] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
-    step = {f"{ph}{suffix[kind]}": v[1] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
+
+    def key(ph, kind):  # decode@b8 + @tp1 -> decode@tp1@b8
+        base, _, batch = ph.partition("@")
+        return base + suffix[kind] + (f"@{batch}" if batch else "")
+    block = {key(ph, kind): v[0] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
+    step = {key(ph, kind): v[1] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
     shm_ar = links["shm"].ops["all_reduce"][str(2)]
     link_bw = 1.0 / shm_ar["beta_s_per_byte"] if shm_ar["beta_s_per_byte"] > 0 else 1e12
     gloo_ar = links["gloo"].ops["all_reduce"][str(2)]

@@ -128,7 +128,7 @@ def _run(args, suites, out, phase):
         source = args.profile if given else f"this launch's calibration (written to {args.profile})"
         with phase(f"estimates suite: training steps (tp 2, dp 2, pp 2), decode and prefill beside the planner's "
                    f"estimates from {source}"):
-            rows, profile = run_estimates_bench(profile, max(3, args.repeats // 2),
+            rows, profile = run_estimates_bench(profile, args.repeats,
                                                 calibration=CALIBRATE_QUICK if args.quick else None,
                                                 **(ESTIMATES_QUICK if args.quick else {}))
         if not given:

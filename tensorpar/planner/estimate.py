@@ -293,7 +293,7 @@ def decode_step(split: SplitModel, layout, context: int, items: list, placement:
         if best is None or sum(t.values()) > sum(best.values()):
             best = t
     terms = dict(best)
-    calls = whole.blocks * profile.block_s(engine, split.tp) + profile.step_s(engine, split.tp)
+    calls = whole.blocks * profile.block_s(engine, split.tp, batch=b) + profile.step_s(engine, split.tp, batch=b)
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
@@ -321,7 +321,7 @@ def prefill(split: SplitModel, layout, prompt: int, items: list, placement: dict
         if best is None or sum(t.values()) > sum(best.values()):
             best = t
     terms = dict(best)
-    calls = whole.blocks * profile.block_s(phase, split.tp) + profile.step_s(phase, split.tp)
+    calls = whole.blocks * profile.block_s(phase, split.tp, batch=b) + profile.step_s(phase, split.tp, batch=b)
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]

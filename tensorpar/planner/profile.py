@@ -13,7 +13,8 @@ what a device achieves, which is what an estimate needs:
   ``prefill`` (a prompt through ``generate``), ``train`` (a training step), ``decode`` (one
   token through tensorpar's lean forward), ``decode_hf`` (one token through Hugging Face's
   forward); ``phase@tp1`` the unsplit model's, ``train@ddp`` / ``train@fsdp`` a data-parallel
-  one's, where measured;
+  one's, ``phase@b8`` (``phase@tp1@b8``) an inference phase's at batch 8 (linear in the batch
+  between), where measured;
 - ``links[name][op][p]``: a collective of ``n`` payload bytes in a group of ``p`` ranks takes
   ``alpha_s + n * beta_s_per_byte``; ``intra_link`` and ``inter_link`` name the links a group
   inside one node and across nodes use;
@@ -84,6 +85,16 @@ def _key(table: dict, phase: str, tp: int, dp_engine: str | None) -> str:
     return phase
 
 
+def _at_batch(table: dict, key: str, batch: int) -> float:
+    """``table[key]`` at ``batch``: linear from batch 1 through the ``key@b8`` figure (not below the
+    batch-1 figure: a larger batch never calls less)."""
+    one = table.get(key, 0.0)
+    eight = table.get(f"{key}@b8")
+    if eight is None or batch == 1:
+        return one
+    return max(one, one + (eight - one) * (batch - 1) / 7)
+
+
 def _ring(op: str, p: int) -> float:
     """Ring bytes each rank moves per payload byte (NVIDIA/nccl-tests doc/PERFORMANCE.md)."""
     if op == "all_reduce":
@@ -134,14 +145,15 @@ class Profile:
             return self.gemm[twin]
         raise ValueError(f"profile {self.name!r} has no GEMM figures for {dtype!r}; it has: {', '.join(self.gemm)}")
 
-    def block_s(self, phase: str, tp: int, dp_engine: str | None = None) -> float:
+    def block_s(self, phase: str, tp: int, dp_engine: str | None = None, batch: int = 1) -> float:
         """Fixed cost of one block call in ``phase``: measured under the data-parallel engine
-        (``phase@ddp``, ``phase@fsdp``) or unsplit (``phase@tp1``) where the profile has it."""
-        return self.block_call_s.get(_key(self.block_call_s, phase, tp, dp_engine), 0.0)
+        (``phase@ddp``, ``phase@fsdp``) or unsplit (``phase@tp1``) where the profile has it; at
+        ``batch`` sequences, linear between batch 1 and the ``@b8`` figure where measured."""
+        return _at_batch(self.block_call_s, _key(self.block_call_s, phase, tp, dp_engine), batch)
 
-    def step_s(self, phase: str, tp: int, dp_engine: str | None = None) -> float:
+    def step_s(self, phase: str, tp: int, dp_engine: str | None = None, batch: int = 1) -> float:
         """Fixed cost of one step in ``phase`` besides its blocks (embedding, head, loss, loop)."""
-        return self.step_call_s.get(_key(self.step_call_s, phase, tp, dp_engine), 0.0)
+        return _at_batch(self.step_call_s, _key(self.step_call_s, phase, tp, dp_engine), batch)
 
     def link(self, local: bool) -> Link:
         return self.links[self.intra_link if local else self.inter_link]
