@@ -95,6 +95,21 @@ def test_gemm_and_link_formulas():
     assert link.seconds("all_reduce", 1000, 1) == 0.0
 
 
+def test_measured_gemm_shapes_correct_the_formula_between_them():
+    """Where a measured shape took twice the formula's time (m = 8) and another exactly it (m =
+    64), a shape at m = 8 takes twice, at m = 64 once, at their geometric middle 1.5 times; the
+    nearest n k decides which measured point speaks for a shape."""
+    base = Gemm(rate_flops=1e10, bytes_per_s=1e9, fixed_s=1e-6)
+    points = [[8, 512, 512, 2 * base.formula(8, 512, 512, 4)], [64, 512, 512, base.formula(64, 512, 512, 4)],
+              [8, 64, 64, base.formula(8, 64, 64, 4)]]
+    g = Gemm(rate_flops=1e10, bytes_per_s=1e9, fixed_s=1e-6, fit={"points": points, "bytes_per_elem": 4})
+    assert g.seconds(8, 500, 520, 4) == pytest.approx(2 * base.seconds(8, 500, 520, 4))
+    assert g.seconds(8, 60, 60, 4) == pytest.approx(base.seconds(8, 60, 60, 4))  # nearest n k: the 64 x 64 point
+    assert g.seconds(64, 512, 512, 4) == pytest.approx(base.seconds(64, 512, 512, 4))
+    assert g.seconds(math.sqrt(8 * 64), 512, 512, 4) == pytest.approx(1.5 * base.seconds(math.sqrt(8 * 64), 512, 512, 4))
+    assert g.seconds(1, 512, 512, 4) == pytest.approx(2 * base.seconds(1, 512, 512, 4))  # beyond the grid: the edge's
+
+
 def test_training_step_counts_forward_backward_and_recompute():
     """Backward is two GEMMs per forward GEMM; full recomputation runs the body's forward again
     (not the head's)."""

@@ -6,6 +6,11 @@ from mutants import Mutant as M  # noqa: E402
 
 EST = ("tests/test_planner_estimate.py",)
 MUTANTS = [
+    M("[estimate] measured GEMM shapes ignored (the formula alone)", "planner/profile.py",
+      "return calls * self.formula(m, n, k, bytes_per_elem) * self._ratio(m, n * k, bytes_per_elem)",
+      "return calls * self.formula(m, n, k, bytes_per_elem)", EST),
+    M("[estimate] the nearest measured m's ratio, not interpolated", "planner/profile.py",
+      "return (1 - w) * ratios[lo][1] + w * ratios[hi][1]", "return ratios[lo][1]", EST),
     M("[estimate] backward as one GEMM per forward GEMM, not two", "planner/estimate.py",
       "work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice",
       "work = {k: 2.0 * v for k, v in fwd.items()}", EST),

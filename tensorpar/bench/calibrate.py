@@ -8,7 +8,8 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
   (64 MiB of them: weights come from memory, as in a model's pass); fitted to
   ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
   relative error (the three coefficients enter linearly), with the fit's median and largest
-  relative error reported;
+  relative error reported; the points are kept, and the estimate scales the formula by the
+  measured ratio of the nearest shapes (:class:`tensorpar.planner.profile.Gemm`);
 - **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
 - **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 4 blocks, split at tp = ranks and
   unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
@@ -96,7 +97,8 @@ def fit_gemm(points: list, bytes_per_elem: int) -> Gemm:
     err = np.abs(pred - t) / t
     return Gemm(rate_flops=1.0 / coef[1] if coef[1] > 0 else float(max(cols[:, 1] / t)),
                 bytes_per_s=1.0 / coef[2] if coef[2] > 0 else 1e15, fixed_s=float(coef[0]),
-                fit={"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()), "points": points})
+                fit={"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()), "points": points,
+                     "bytes_per_elem": bytes_per_elem})
 
 
 def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:

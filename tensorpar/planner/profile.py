@@ -28,6 +28,7 @@ docs/planner.md); :func:`published` builds one for a preset from public figures 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,18 +41,46 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
 
 @dataclass(frozen=True)
 class Gemm:
-    """Achieved matrix-multiply figures of one dtype (see the module docstring)."""
+    """Achieved matrix-multiply figures of one dtype (see the module docstring). ``fit`` holds the
+    fit's median and largest relative error and, measured, its ``points`` ``[m, n, k, seconds]``:
+    the time of a shape is the formula's, scaled by the measured-over-formula ratio of the nearest
+    measured shapes (interpolated in log m between the two measured m around it, the nearest
+    ``n k`` at each), so that a regime the three figures miss (small m on a CPU) is as measured."""
     rate_flops: float
     bytes_per_s: float
     fixed_s: float
-    fit: dict = field(default_factory=dict)  # median and max relative error over the measured shapes
+    fit: dict = field(default_factory=dict)
+
+    def formula(self, m: float, n: float, k: float, bytes_per_elem: int) -> float:
+        return self.fixed_s + 2.0 * m * n * k / self.rate_flops + bytes_per_elem * (m * k + k * n + m * n) / self.bytes_per_s
 
     def seconds(self, m: float, n: float, k: float, bytes_per_elem: int, *, calls: float = 1.0) -> float:
         """Seconds of ``calls`` multiplies of ``(m, k) @ (k, n)``."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
-        work = 2.0 * m * n * k / self.rate_flops + bytes_per_elem * (m * k + k * n + m * n) / self.bytes_per_s
-        return calls * (self.fixed_s + work)
+        return calls * self.formula(m, n, k, bytes_per_elem) * self._ratio(m, n * k, bytes_per_elem)
+
+    def _ratio(self, m: float, nk: float, e: int) -> float:
+        points = self.fit.get("points") or []
+        if not points:
+            return 1.0
+        ratios = {}
+        for pm, pn, pk, t in points:  # per measured m: the ratio at the n k nearest the query's
+            r = t / self.formula(pm, pn, pk, self.fit.get("bytes_per_elem", e))
+            d = abs(math.log(pn * pk / nk))
+            if pm not in ratios or d < ratios[pm][0]:
+                ratios[pm] = (d, r)
+        ms = sorted(ratios)
+        if m <= ms[0]:
+            return ratios[ms[0]][1]
+        if m >= ms[-1]:
+            return ratios[ms[-1]][1]
+        lo = max(x for x in ms if x <= m)
+        hi = min(x for x in ms if x >= m)
+        if lo == hi:
+            return ratios[lo][1]
+        w = math.log(m / lo) / math.log(hi / lo)
+        return (1 - w) * ratios[lo][1] + w * ratios[hi][1]
 
 
 @dataclass(frozen=True)
