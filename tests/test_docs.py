@@ -15,22 +15,29 @@ Tier 1 (no ranks; importing what the names name takes a few seconds):
   inline code span) is an option CMD has; the command whose output the README shows is the one
   ``make run`` runs;
 - every ``TENSORPAR_*`` variable the code reads is in docs/reliability.md;
-- every ``python`` block of every page parses.
+- every ``python`` block of every page parses;
+- each ``python`` block of the README imports the tensorpar modules it names (``tensorpar.x``).
 
-Tier 2 (real ranks): every code block of the README runs as written, each in a fresh process
-and a fresh folder of its own (a ``.venv`` there links to this checkout's, so ``.venv/bin/...``
-works as in the checkout): a ``python`` block as a script (it guards its launch with
-``if __name__ == "__main__":``, since the ranks import the main module), each ``tensorpar``
-command line of a ``bash`` block with exit code 0. ``make`` lines are not run here: ``make run``
+Tier 2 (real ranks): every code block of the README runs as written, each in a fresh folder of
+its own (a ``.venv`` there links to this checkout's, so ``.venv/bin/...`` works as in the
+checkout): each ``tensorpar`` command line of a ``bash`` block in a fresh process, with exit code
+0; the ``python`` blocks one after the other in one fresh process (tests/_readme_blocks.py), each
+as ``python example.py`` runs it, with exit status 0: one import of torch and one fork server for
+all, where a process each cost ~8 s more per block. A block guards its launch with
+``if __name__ == "__main__":``, since the ranks import the main module; every block's ranks are
+forked afresh. An earlier block's imports stay imported in that process, so tier 1 checks that
+each block imports the tensorpar modules it names. ``make`` lines are not run here: ``make run``
 is ``tensorpar run``, which the README names and this test runs; ``make test`` would run this
 test, and the other targets take minutes. A ``text`` block right after a ``bash`` block is the
 output of its last command: every shown line that is not ``...`` must match a line of the real
 output, in order, with digits masked (figures vary with the machine) and runs of blanks taken as
-one (table columns widen with the figures). The blocks run two at a time (they are independent).
+one (table columns widen with the figures). The command lines and the python blocks' process run
+two at a time (they are independent).
 """
 import argparse
 import ast
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -309,6 +316,42 @@ def test_every_readme_shell_line_is_one_this_test_judges():
     assert CASES["command"] and CASES["python"], "the README shows no runnable example"
 
 
+def unimported_modules(body: str) -> list:
+    """``tensorpar.X`` the code names (``import tensorpar``, then ``tensorpar.X``) where ``X`` is a
+    module it does not import (``import tensorpar.X``, ``from tensorpar.X import ...``) and no name
+    ``import tensorpar`` gives (its lazy names, its former names). A fresh interpreter has only
+    what the code imports; the README's blocks run in one process, where another block's import
+    would hide this."""
+    tree = ast.parse(body)
+    imported, aliases = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):  # `import tensorpar.x` binds tensorpar too
+            imported |= {a.name for a in node.names}
+            aliases |= {a.asname or "tensorpar" for a in node.names if a.name == "tensorpar"}
+            aliases |= {"tensorpar" for a in node.names if a.name.startswith("tensorpar.") and not a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    import tensorpar
+    given = set(tensorpar.__all__) | {n.split(".")[1] for n in tensorpar._FORMER_NAMES}
+    named = {f"tensorpar.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id in aliases and n.attr not in given}
+    return sorted(m for m in named if not any(i == m or i.startswith(m + ".") for i in imported))
+
+
+def test_each_readme_python_block_imports_the_tensorpar_modules_it_names():
+    bad = {case_id: unimported_modules(body) for case_id, body in CASES["python"]}
+    assert not {c: m for c, m in bad.items() if m}, f"README python blocks name modules they do not import: {bad}"
+
+
+def test_the_import_reader_finds_modules_named_but_not_imported():
+    assert unimported_modules("import torch, tensorpar\nfrom tensorpar.models import generate\n"
+                              "tensorpar.parallelize(tensorpar.models.make_tiny_model('x'))\n"
+                              "tensorpar.dist.launch(f, 2); tensorpar.nn.Linear; tensorpar.__version__") == ["tensorpar.nn"]
+    assert unimported_modules("import tensorpar.nn.layers\nfrom tensorpar import models\n"
+                              "tensorpar.nn.x; tensorpar.models.y; tensorpar.sharding.z") == ["tensorpar.sharding"]
+    assert unimported_modules("import tensorpar as tp\ntp.nn.x") == ["tensorpar.nn"]
+
+
 def _tensorpar_args(command: str) -> str:
     """``run --tp 2`` of ``.venv/bin/tensorpar run --tp 2`` or ``$(VPY) -m tensorpar run --tp 2``."""
     m = re.search(r"(?:^|[\s/])(?:-m )?tensorpar (.*)$", command.strip())
@@ -372,28 +415,47 @@ def test_the_command_reader_finds_commands_in_blocks_and_spans():
 # Tier 2: the README's examples, run as written
 
 
-def _run(case_id: str, kind: str, code: str, root: Path) -> subprocess.CompletedProcess:
+def _folder(root: Path, case_id: str) -> Path:
     folder = root / re.sub(r"\W", "_", case_id)
     folder.mkdir()
     (folder / ".venv").symlink_to(VENV)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),  # this tree, not an installed one
-           "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-    if kind == "python":
-        (folder / "example.py").write_text(code)
-        argv = [sys.executable, "example.py"]
-    else:
-        argv = ["bash", "-c", code]
-    return subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    return folder
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),  # this tree, not an installed one
+            "PATH": f"{VENV / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def _run_command(case_id: str, command: str, root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=_folder(root, case_id), env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def _run_python_blocks(blocks: list, root: Path) -> dict:
+    """``{case_id: CompletedProcess}`` of each block (its exit status, its error and the process's
+    output), all run by one process of tests/_readme_blocks.py."""
+    folders = [_folder(root, case_id) for case_id, _ in blocks]
+    for folder, (_, body) in zip(folders, blocks):
+        (folder / "example.py").write_text(body)
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "_readme_blocks.py"), *map(str, folders)], cwd=root,
+                       env=_env(), capture_output=True, text=True, timeout=300 * len(blocks))
+    out = {}
+    for folder, (case_id, _) in zip(folders, blocks):
+        done = folder / "result.json"
+        res = json.loads(done.read_text()) if done.exists() else \
+            {"exit": None, "error": f"no result: the process running the blocks exited {r.returncode} before"}
+        out[case_id] = subprocess.CompletedProcess(r.args, res["exit"], r.stdout, f"{r.stderr}\n{res['error']}")
+    return out
 
 
 @pytest.fixture(scope="module")
 def readme_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("readme")
-    jobs = [(case_id, "python", body) for case_id, body in CASES["python"]]
-    jobs += [(case_id, "command", cmd) for case_id, cmd, _ in CASES["command"]]
     with ThreadPoolExecutor(max_workers=2) as pool:  # independent: two at a time on two cores
-        futures = {case_id: pool.submit(_run, case_id, kind, code, root) for case_id, kind, code in jobs}
-    return {case_id: f.result() for case_id, f in futures.items()}
+        blocks = pool.submit(_run_python_blocks, CASES["python"], root)
+        commands = {case_id: pool.submit(_run_command, case_id, cmd, root) for case_id, cmd, _ in CASES["command"]}
+    return {**blocks.result(), **{case_id: f.result() for case_id, f in commands.items()}}
 
 
 def _why(r: subprocess.CompletedProcess) -> str:
