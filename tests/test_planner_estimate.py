@@ -253,3 +253,43 @@ def test_published_profile_states_its_figures():
     # a ring all-reduce of 8 GPUs over NVLink at 0.8 x 300 GB/s per direction
     assert p.links["intra"].seconds("all_reduce", 1e9, 8) == pytest.approx(10e-6 + 2 * 7 / 8 * 1e9 / 240e9)
     assert not p.synchronous and math.isfinite(p.block_call_s["train"])
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+def _cli(capsys, *argv):
+    from tensorpar.cli import main
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_estimates_with_their_largest_term(capsys):
+    code, out, _ = _cli(capsys, "plan", "--model", "llama-2-7b", "--tp", "8", "--hardware", "h100-sxm")
+    assert code == 0 and "estimates (not bounds; h100-sxm (published figures)" in out and "matmuls" in out
+    code, out, _ = _cli(capsys, "plan", "--model", "llama-2-7b", "--tp", "8", "--hardware", "h100-sxm", "--json")
+    e = json.loads(out)["estimates"]
+    assert {"step_time_s", "tokens_per_s", "decode_time_per_token_s", "prefill_time_s", "lower_bounds"} <= set(e)
+    assert e["step"]["dominant"] in e["step"]["terms"]
+
+
+def test_plan_takes_a_profile_file_as_hardware(capsys, tmp_path):
+    prof = dataclasses.replace(published("h200"), name="my machine")
+    path = prof.save(tmp_path / "profile.json")
+    code, out, _ = _cli(capsys, "plan", "--model", "llama-2-7b", "--tp", "8", "--hardware", str(path), "--json")
+    assert code == 0 and json.loads(out)["estimates"]["profile"] == "my machine"
+    (tmp_path / "bad.json").write_text('{"format": "other"}')
+    code, _, err = _cli(capsys, "plan", "--model", "llama-2-7b", "--hardware", str(tmp_path / "bad.json"))
+    assert code == 2 and "not a tensorpar hardware profile" in err
+
+
+def test_search_tp_on_the_command_line(capsys):
+    code, out, _ = _cli(capsys, "plan", "--model", "llama-2-70b", "--workload", "inference", "--search-tp",
+                        "--hardware", "h200", "--seq", "4096", "--json")
+    r = json.loads(out)
+    assert code == 0 and [row["tp"] for row in r["rows"]] == [1, 2, 4, 8] and not r["rows"][0]["feasible"]
+    assert r["best"]["tp"] in (2, 4, 8) and r["explanation"]
+    code, _, err = _cli(capsys, "plan", "--model", "llama-2-7b", "--search-tp")
+    assert code == 2 and "--workload inference" in err
+    code, _, err = _cli(capsys, "plan", "--model", "llama-2-7b", "--workload", "inference", "--search-tp", "--max-tp", "0")
+    assert code == 2 and "--max-tp (0)" in err
