@@ -195,7 +195,7 @@ def estimates_table(rows: list[dict]) -> str:
     head = ("| case | layout | measured | estimate | measured / estimate | within 20% | dominant term |\n"
             "|---|---|---:|---:|---:|---|---|\n")
     return head + "\n".join(
-        f"| {r['case']} | {r['layout']} | {r['measured_s'] * 1e3:.3g} ms | {r['estimate_s'] * 1e3:.3g} ms | "
+        f"| {r['case']} | {r['layout']} | {_ms(r['measured_s'])} | {_ms(r['estimate_s'])} | "
         f"{r['measured_vs_estimate']:.2f} | {'yes' if r['within_target'] else '**no**'} | {r['dominant']} |"
         for r in rows) + "\n"
 
@@ -240,3 +240,7 @@ def _measure_worker(path: str, tps: list, batch: int, prompt: int, new: int, rep
             out[tp] = statistics.median(per_token)
         dist.barrier()
     return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
