@@ -310,3 +310,32 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     assert by["tp2"]["terms"]["tp_comm_s"] > 0 and by["dp2_ddp"]["terms"]["dp_comm_s"] > 0
     assert by["decode_gloo_b1"]["terms"]["tp_comm_s"] != by["decode_b1"]["terms"]["tp_comm_s"]  # each its link
     assert "| tp2 |" in estimates_table(rows)
+
+
+def test_calibrate_fits_recover_known_figures():
+    """The GEMM fit recovers the three figures that made its points; the link fit takes alpha
+    from the small payloads (a bimodal latency: the median) and beta from the large."""
+    from tensorpar.bench.calibrate import fit_gemm, fit_link
+
+    c, rate, bw = 5e-6, 50e9, 10e9
+    points = [[m, n, k, c + 2 * m * n * k / rate + 4 * (m * k + k * n + m * n) / bw]
+              for m in (1, 8, 64, 512) for n, k in ((128, 128), (512, 512), (1408, 512))]
+    g = fit_gemm(points, 4)
+    assert g.rate_flops == pytest.approx(rate, rel=1e-6) and g.bytes_per_s == pytest.approx(bw, rel=1e-6)
+    assert g.fixed_s == pytest.approx(c, rel=1e-6) and g.fit["max_rel_err"] < 1e-9
+    lat = [4.5e-4, 1.4e-3, 1.4e-3, 1.3e-3]  # gloo over loopback: 0.5 or 1.4 ms
+    pts = list(zip((8, 64, 512, 4096), lat)) + [(n, 1.4e-3 + n / 2e9) for n in (262144, 2097152, 16777216)]
+    fit = fit_link(pts)
+    assert fit["alpha_s"] == pytest.approx(1.35e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--ranks", "1"], "--ranks (1) must be an integer >= 2"),
+    (["calibrate", "--repeats", "2"], "--repeats 2: need at least 3"),
+])
+def test_calibrate_bad_arguments(argv, message, capsys, tmp_path):
+    from tensorpar.cli import main
+
+    assert main([*argv, "--out", str(tmp_path / "p.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
