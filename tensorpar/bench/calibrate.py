@@ -43,7 +43,7 @@ from tensorpar.models.training import train_step
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
 
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # on the host; on a GPU fp32 and bf16
 M_SIZES = (1, 8, 64, 512)
 NK_SIZES = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
 PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
@@ -54,15 +54,23 @@ QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 40
              quick=True)
 
 
-def _median_time(fn, repeats: int, min_s: float = 0.02) -> float:
-    """Median seconds of ``fn``: each sample loops until ``min_s`` passes (short calls)."""
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, repeats: int, min_s: float = 0.02, device="cpu") -> float:
+    """Median seconds of ``fn``: each sample loops until ``min_s`` passes (short calls); on a GPU
+    the device is waited for (a queued kernel is not a finished one)."""
     fn()
     samples = []
     for _ in range(repeats):
+        _sync(device)
         n, t0 = 0, time.perf_counter()
         while True:
             fn()
             n += 1
+            _sync(device)
             if time.perf_counter() - t0 >= min_s:
                 break
         samples.append((time.perf_counter() - t0) / n)
@@ -72,18 +80,19 @@ def _median_time(fn, repeats: int, min_s: float = 0.02) -> float:
 COLD_BYTES = 64 << 20  # weights cycled per shape: a model's step touches more than any cache holds
 
 
-def gemm_points(dtype, m_sizes, nk_sizes, repeats: int) -> list:
+def gemm_points(dtype, m_sizes, nk_sizes, repeats: int, device="cpu") -> list:
     """``[m, n, k, seconds]`` of ``F.linear`` over the grid, each call on the next of enough
     copies of the weight to fill ``COLD_BYTES`` (so weights come from memory, as in a model's
     pass over its layers, not from a cache the model would not fit in)."""
     out = []
     for n, k in nk_sizes:
         copies = max(1, COLD_BYTES // (n * k * dtype.itemsize))
-        weights = [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
+        weights = [torch.randn(n, k, dtype=dtype, device=device) for _ in range(copies)]
         for m in m_sizes:
-            x = torch.randn(m, k, dtype=dtype)
+            x = torch.randn(m, k, dtype=dtype, device=device)
             turn = iter(range(1 << 62))
-            out.append([m, n, k, _median_time(lambda: F.linear(x, weights[next(turn) % copies]), repeats)])
+            out.append([m, n, k, _median_time(lambda: F.linear(x, weights[next(turn) % copies]), repeats,
+                                              device=device)])
     return out
 
 
@@ -131,22 +140,23 @@ def fit_link(points: list) -> dict:
                     "points": [[int(n), float(s)] for n, s in points]}}
 
 
-def memory_rate(repeats: int) -> float:
-    a = torch.ones(8 << 20)  # 32 MiB
+def memory_rate(repeats: int, device="cpu") -> float:
+    a = torch.ones(8 << 20, device=device)  # 32 MiB
     b, c = torch.empty_like(a), torch.empty_like(a)
-    copy = 2 * a.nbytes / _median_time(lambda: b.copy_(a), repeats)
-    add = 3 * a.nbytes / _median_time(lambda: torch.add(a, b, out=c), repeats)
+    copy = 2 * a.nbytes / _median_time(lambda: b.copy_(a), repeats, device=device)
+    add = 3 * a.nbytes / _median_time(lambda: torch.add(a, b, out=c), repeats, device=device)
     return statistics.median([copy, add])
 
 
 # ---- a block's fixed cost -------------------------------------------------------------------------
 
-def _net(fn, repeats: int, min_s: float = 0.05) -> float:
+def _net(fn, repeats: int, min_s: float = 0.05, device="cpu") -> float:
     """Median seconds of ``fn`` less the time it spent inside collectives; each sample repeats
     ``fn`` for ``min_s`` (a short call's noise averaged). Every rank runs the same count (they
     meet in ``fn``'s collectives): the count is agreed on from rank 0's first timing."""
     t0 = time.perf_counter()
     fn()
+    _sync(device)
     first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.broadcast(first, 0)
     calls = max(1, min(50, int(min_s / max(first.item(), 1e-6))))
@@ -156,18 +166,21 @@ def _net(fn, repeats: int, min_s: float = 0.05) -> float:
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            _sync(device)
             wall = time.perf_counter() - t0
         samples.append((wall - led.seconds_in_collectives()) / calls)
     return statistics.median(samples)
 
 
-def _models(layers: int, kind: str):
-    """A tiny Llama: ``split`` at tp = world, ``dense``, or data-parallel over the world (``ddp``, ``fsdp``)."""
-    model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=layers, **TINY)
+def _models(layers: int, kind: str, device):
+    """A tiny Llama on ``device``: ``split`` at tp = world, ``dense``, or data-parallel over the
+    world (``ddp``, ``fsdp``)."""
+    model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=layers, **TINY).to(device)
     if kind == "split":
         model = parallelize(model)
     elif kind in ("ddp", "fsdp"):
-        model = parallelize(model, mesh=init_mesh(dist.get_world_size(), 1), data_parallel=kind)
+        model = parallelize(model, mesh=init_mesh(dist.get_world_size(), 1, torch.device(device).type),
+                            data_parallel=kind)
     return model
 
 
@@ -175,30 +188,31 @@ LAYERS = (1, 6)  # the tiny models' blocks: the slope over them is one block's c
 BATCHES = (1, 8)  # inference's fixed costs at each: a larger batch costs more per call (cache, sampling)
 
 
-def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05) -> dict:
+def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05,
+                device="cpu") -> dict:
     """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
     tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
     (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
     ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at each of ``BATCHES``
     (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or ``fsdp``) its training
     step only."""
-    ids = torch.arange(4).reshape(1, 4)
+    ids = torch.arange(4, device=device).reshape(1, 4)
     per_l = {}
     for depth in layers:
-        model = _models(depth, kind)
+        model = _models(depth, kind, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model.train()
-        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats, min_s)}
+        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats, min_s, device)}
         if kind in ("ddp", "fsdp"):
             per_l[depth] = phases
             continue
         model.eval()
-        phases["forward"] = _net(lambda: _forward(model, ids), repeats, min_s)
+        phases["forward"] = _net(lambda: _forward(model, ids), repeats, min_s, device)
         for b in batches:
             tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
             for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
-                one = _net(lambda: generate(model, prompts, 1, engine=engine), repeats, min_s)
-                many = _net(lambda: generate(model, prompts, new, engine=engine), repeats, min_s)
+                one = _net(lambda: generate(model, prompts, 1, engine=engine), repeats, min_s, device)
+                many = _net(lambda: generate(model, prompts, new, engine=engine), repeats, min_s, device)
                 phases[key + tag] = (many - one) / (new - 1)
                 if engine == "auto":
                     phases["prefill" + tag] = one
@@ -218,18 +232,20 @@ def _forward(model, ids):
 
 # ---- collectives ----------------------------------------------------------------------------------
 
-def link_points(world: int, payloads, repeats: int) -> dict:
-    """``{transport: {op: {p: [(payload, seconds)]}}}`` on groups of the first p ranks."""
+def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
+    """``{transport: {op: {p: [(payload, seconds)]}}}`` on groups of the first p ranks: shared
+    memory and gloo on the host; NCCL (the world's backend, the tensors on the rank's GPU) on a GPU."""
     out = {}
-    for transport in ("shm", "gloo"):
+    for transport in (("nccl",) if torch.device(device).type == "cuda" else ("shm", "gloo")):
         out[transport] = {op: {} for op in OPS}
         for p in range(2, world + 1):
             ranks = list(range(p))
-            group = dist.new_group(ranks, backend=transport)
+            group = dist.new_group(ranks, backend=None if transport == "nccl" else transport)
             if dist.get_rank() >= p:
                 continue
             for op in OPS:
-                out[transport][op][p] = [(n, time_collective(op, n, group, ranks, repeats=repeats)) for n in payloads]
+                out[transport][op][p] = [(n, time_collective(op, n, group, ranks, repeats=repeats, device=device))
+                                         for n in payloads]
     return out
 
 
@@ -240,14 +256,17 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     """Every rank's measurements (each rank gets all of them). ``quick``: the fixed costs of the
     split and unsplit models only, at batch 1, over 1 and 2 blocks, short samples (a smoke run)."""
     torch.set_num_threads(1)
+    device = dist.rank_device()  # its GPU under NCCL, else the host
     t0 = time.perf_counter()
     kinds, kw = ("split", "dense", "ddp", "fsdp"), {}
     if quick:
         kinds, kw = ("split", "dense"), dict(layers=(1, 2), batches=(1,), min_s=0.0)
-    mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats) for k, dt in DTYPES.items()},
-            "memory": memory_rate(repeats),
-            "blocks": {kind: block_costs(kind, repeats, new, **kw) for kind in kinds}}
-    mine["links"] = link_points(dist.get_world_size(), payloads, repeats)
+    dtypes = DTYPES if device.type == "cpu" else {"fp32": torch.float32, "bf16": torch.bfloat16}
+    mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats, device) for k, dt in dtypes.items()},
+            "memory": memory_rate(repeats, device),
+            "blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
+            "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    mine["links"] = link_points(dist.get_world_size(), payloads, repeats, device)
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
 
@@ -267,7 +286,8 @@ def _slowest(per_rank: list) -> dict:
     links = {tr: {op: {p: [(n, max(r["links"][tr][op][p][i][1] for r in per_rank if p in r["links"][tr][op]))
                            for i, (n, _) in enumerate(pts)] for p, pts in first["links"][tr][op].items()}
                   for op in first["links"][tr]} for tr in first["links"]}
-    return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links}
+    return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
+            "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
 
 
 def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
@@ -285,8 +305,19 @@ def _args(kw: dict) -> tuple:
     return full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"], full["quick"]
 
 
+WIDTH = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
+
+
+def _bandwidth(link: Link) -> float:
+    fit = link.ops["all_reduce"][str(2)]
+    return 1.0 / fit["beta_s_per_byte"] if fit["beta_s_per_byte"] > 0 else 1e12
+
+
 def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: bool) -> Profile:
-    gemm = {k: fit_gemm(pts, DTYPES[k].itemsize) for k, pts in m["gemm"].items()}
+    """The profile of the slowest rank's measurements: on the host, shared memory inside the
+    node and gloo across; on GPUs, NCCL both (across nodes it is NCCL's too, over another link:
+    calibrate a multi-node run to measure it)."""
+    gemm = {k: fit_gemm(pts, WIDTH[k]) for k, pts in m["gemm"].items()}
     links = {tr: Link(tr, {op: {str(p): fit_link(pts) for p, pts in table.items()} for op, table in ops.items()})
              for tr, ops in m["links"].items()}
     suffix = {"split": "", "dense": "@tp1", "ddp": "@ddp", "fsdp": "@fsdp"}
@@ -296,19 +327,21 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
         return base + suffix[kind] + (f"@{batch}" if batch else "")
     block = {key(ph, kind): v[0] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
     step = {key(ph, kind): v[1] for kind, phases in m["blocks"].items() for ph, v in phases.items()}
-    shm_ar = links["shm"].ops["all_reduce"][str(2)]
-    link_bw = 1.0 / shm_ar["beta_s_per_byte"] if shm_ar["beta_s_per_byte"] > 0 else 1e12
-    gloo_ar = links["gloo"].ops["all_reduce"][str(2)]
-    gloo_bw = 1.0 / gloo_ar["beta_s_per_byte"] if gloo_ar["beta_s_per_byte"] > 0 else 1e12
-    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    hardware = Hardware(name=f"this machine, {ranks} ranks x 1 thread (measured)",
+    gpu = m.get("device", "cpu") == "cuda"
+    intra, inter = ("nccl", "nccl") if gpu else ("shm", "gloo")
+    if gpu:
+        memory = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+    what = f"{ranks} x {m.get('name', 'GPU')}" if gpu else f"{ranks} ranks x 1 thread"
+    hardware = Hardware(name=f"this machine, {what} (measured)",
                         peak_dense_bf16_flops=max(g.rate_flops for g in gemm.values()),
                         peak_dense_tf32_flops=gemm["fp32"].rate_flops, hbm_bytes_per_s=m["memory"],
-                        mem_bytes=memory_gb / ranks, links={"shm": 2 * link_bw, "gloo": 2 * gloo_bw},
-                        intra_node_link="shm", inter_node_bytes_per_s=gloo_bw, devices_per_node=ranks)
-    return Profile(name=hardware.name, device="cpu", hardware=hardware, gemm=gemm, memory_bytes_per_s=m["memory"],
-                   block_call_s=block, step_call_s=step, links=links, intra_link="shm", inter_link="gloo",
-                   synchronous=True, source="tensorpar calibrate",
+                        mem_bytes=memory or 1.0, links={tr: 2 * _bandwidth(link) for tr, link in links.items()},
+                        intra_node_link=intra, inter_node_bytes_per_s=_bandwidth(links[inter]), devices_per_node=ranks)
+    return Profile(name=hardware.name, device=m.get("device", "cpu"), hardware=hardware, gemm=gemm,
+                   memory_bytes_per_s=m["memory"], block_call_s=block, step_call_s=step, links=links,
+                   intra_link=intra, inter_link=inter, synchronous=not gpu, source="tensorpar calibrate",
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

@@ -41,17 +41,19 @@ def _call(op: str, x: torch.Tensor, group, peers: list) -> None:
 
 
 def time_collective(op: str, payload_bytes: int, group, ranks: list, *, repeats: int = 7,
-                    dtype: torch.dtype = torch.float32) -> float:
+                    dtype: torch.dtype = torch.float32, device=None) -> float:
     """Median seconds of one ``op`` whose payload is ``payload_bytes`` (all-gather: the gathered
     result; reduce-scatter: the input; as the planner counts a payload) on ``group`` (global
-    ``ranks``, in order)."""
+    ``ranks``, in order), its tensors on ``device`` (default: the host; on a GPU each sample
+    ends when the device has finished)."""
     if op not in OPS:
         raise ValueError(f"op {op!r}: valid: {', '.join(OPS)}")
     p, elem = len(ranks), torch.empty((), dtype=dtype).element_size()
     n = max(p, payload_bytes // elem)
     n -= n % p
-    x = torch.ones(n // p if op == "all_gather" else n, dtype=dtype)
-    _call(op, x.clone(), group, ranks)  # warm-up: buffers, segments
+    x = torch.ones(n // p if op == "all_gather" else n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    _call(op, x.clone(), group, ranks)  # warm-up: buffers, segments, communicators
     calls = max(1, min(32, (1 << 20) // max(payload_bytes, 1)))  # back to back: the barrier's skew amortised
     times = []
     for _ in range(repeats):
@@ -59,6 +61,7 @@ def time_collective(op: str, payload_bytes: int, group, ranks: list, *, repeats:
         t0 = time.perf_counter()
         for _ in range(calls):
             _call(op, x, group, ranks)
+        sync()
         times.append((time.perf_counter() - t0) / calls)
     t = statistics.median(times)
     return t / 2 if op == "send" else t
