@@ -237,6 +237,16 @@ def test_profile_json_round_trip_and_refusals(tmp_path):
     assert json.loads(json.dumps(d)) == d
 
 
+def test_a_custom_device_is_estimated_in_every_dtype():
+    """A device given by its figures alone (no TF32 peak) still gets fp32 and fp64 estimates (the
+    decode suite plans its measured host this way)."""
+    from tensorpar.planner.hardware import custom_hardware
+    hw = custom_hardware(peak_tflops=0.1, hbm_gbps=20, memory_gb=24, intra_node_gbps=5, inter_node_gbps=5)
+    for dtype in ("fp32", "fp64", "bf16"):
+        r = plan(get_model("megatron-1.2b"), Layout(micro_batch=1, dtype=dtype, workload="inference"), hw, seq=64)
+        assert r.estimates["decode_time_per_token_s"] > r.decode_time_per_token_lower_bound_s
+
+
 def test_latency_override_changes_only_alpha():
     p = with_latency(published("a100-80gb"), 3e-5)
     fit = p.links["intra"].ops["all_reduce"]["8"]

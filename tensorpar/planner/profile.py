@@ -271,10 +271,9 @@ def published(hardware: Hardware | str) -> Profile:
     f = PUBLISHED
     mem = f["memory_of_peak"] * hw.hbm_bytes_per_s
     half = Gemm(rate_flops=f["gemm_of_peak"] * hw.peak_dense_bf16_flops, bytes_per_s=mem, fixed_s=f["launch_s"])
-    gemm = {"bf16": half, "fp16": half}
-    if hw.peak_dense_tf32_flops:
-        gemm["fp32"] = Gemm(rate_flops=f["gemm_of_peak"] * hw.peak_dense_tf32_flops, bytes_per_s=mem,
-                            fixed_s=f["launch_s"])
+    # fp32 at the TF32 peak where the device has one, else at its fastest (Hardware.peak_flops)
+    single = Gemm(rate_flops=f["gemm_of_peak"] * hw.peak_flops("fp32"), bytes_per_s=mem, fixed_s=f["launch_s"])
+    gemm = {"bf16": half, "fp16": half, "fp32": single}
     block = f["kernels_per_block"] * f["launch_s"]
     eff = f["link_of_line_rate"]
     links = {"intra": Link("intra", _link_table(f["alpha_intra_s"], eff * hw.intra_node_bytes_per_s)),
