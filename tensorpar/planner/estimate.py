@@ -81,7 +81,6 @@ MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes
 # Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
 # gradients all-reduced after the backward (its own DDP, no overlap).
 MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False)
-RUNTIMES = {r.name: r for r in (ON_CPU, ON_GPU, MEGATRON_2020, MEGATRON_2021)}
 
 
 def default_runtime(profile: Profile) -> Runtime:
@@ -285,18 +284,9 @@ def decode_step(split: SplitModel, layout, context: int, items: list, placement:
     keys, through every stage in turn (a token crosses the pipeline), on the busiest tp rank.
     ``engine``: ``decode`` (tensorpar's lean forward) or ``decode_hf`` (Hugging Face's forward)."""
     runtime = runtime or default_runtime(profile)
-    e, b = layout.bytes_per_elem, layout.micro_batch
-    whole, best = _whole(split), None
-    for rank in range(split.tp):
-        t = forward_terms(split, whole, rank, batch=b, seq=1, keys=float(context), e=e, dtype=layout.dtype,
-                          profile=profile, runtime=_fused(runtime))
-        if best is None or sum(t.values()) > sum(best.values()):
-            best = t
-    terms = dict(best)
-    calls = whole.blocks * profile.block_s(engine, split.tp, batch=b) + profile.step_s(engine, split.tp, batch=b)
-    terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
-    comm = comm_seconds(items, placement, layout.pp, profile)
-    terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    b = layout.micro_batch
+    terms = _inference(split, layout, items, placement, profile, engine,
+                       kw=dict(batch=b, seq=1, keys=float(context), runtime=_fused(runtime)))
     return _summary(terms, tokens=float(b))
 
 
@@ -312,20 +302,27 @@ def prefill(split: SplitModel, layout, prompt: int, items: list, placement: dict
     of each (``all_logits``: for every token, as a plain forward computes them). ``phase``: whose
     fixed costs (``prefill``: ``generate``'s; ``forward``: a plain forward's)."""
     runtime = runtime or default_runtime(profile)
-    e, b = layout.bytes_per_elem, layout.micro_batch
-    whole, best = _whole(split), None
+    b = layout.micro_batch
     keys = (prompt + 1) / 2 if (split.causal and runtime.attention == "fused") else float(prompt)
-    for rank in range(split.tp):
-        t = forward_terms(split, whole, rank, batch=b, seq=prompt, keys=keys, e=e, dtype=layout.dtype,
-                          profile=profile, runtime=runtime, head_tokens=None if all_logits else float(b))
-        if best is None or sum(t.values()) > sum(best.values()):
-            best = t
+    terms = _inference(split, layout, items, placement, profile, phase,
+                       kw=dict(batch=b, seq=prompt, keys=keys, runtime=runtime,
+                               head_tokens=None if all_logits else float(b)))
+    return _summary(terms, tokens=float(b * prompt))
+
+
+def _inference(split: SplitModel, layout, items: list, placement: dict, profile: Profile, phase: str, *,
+               kw: dict) -> dict:
+    """A forward through every stage on the busiest tp rank (``kw``: :func:`forward_terms`'),
+    ``phase``'s fixed costs, and the collectives ``items``."""
+    whole, b = _whole(split), layout.micro_batch
+    best = max((forward_terms(split, whole, rank, e=layout.bytes_per_elem, dtype=layout.dtype, profile=profile, **kw)
+                for rank in range(split.tp)), key=lambda t: sum(t.values()))
     terms = dict(best)
     calls = whole.blocks * profile.block_s(phase, split.tp, batch=b) + profile.step_s(phase, split.tp, batch=b)
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
-    return _summary(terms, tokens=float(b * prompt))
+    return terms
 
 
 def _summary(terms: dict, *, tokens: float, extra: dict | None = None) -> dict:
