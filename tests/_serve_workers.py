@@ -34,10 +34,15 @@ def requests(count: int, seed: int = 0, positions: int = 64) -> list:
     return out
 
 
+LOGPROBS = (None, 0, None, 3, None, 40)  # request i asks for LOGPROBS[i % 6]; 40 > a shard's 33 columns at tp 4
+
+
 def run_engine(model, reqs, *, slots: int, step_tokens: int, group=None, logits: bool = False) -> dict:
     """Every request through the scheduler and the engine, all submitted at once (they join as
     slots free up): ``{"tokens": [per request, per choice], "steps", "max_rows",
-    "max_prefill_tokens", "logits": {(request, choice, step): the (V,) logits its token came from}}``."""
+    "max_prefill_tokens", "logits": {(request, choice, step): the (V,) logits its token came from},
+    "logprobs": the engine's log-probabilities against the log-softmax of those logits}`` (with
+    ``logits``, requests ask for LOGPROBS)."""
     engine = Engine(model, slots=slots, capacity=64, group=group)
     seen = []
     if logits:  # what each step's choice saw, gathered on every rank
@@ -49,7 +54,9 @@ def run_engine(model, reqs, *, slots: int, step_tokens: int, group=None, logits:
             return choose(step_logits, draws)
         engine._choose = spy
     sched = Scheduler(slots, step_tokens, len(reqs))
-    jobs = [Job(p, n=n, sampler=Sampler(**s), max_tokens=m, emit=lambda e: None) for p, m, s, n in reqs]
+    asks = [LOGPROBS[i % len(LOGPROBS)] if logits else None for i in range(len(reqs))]
+    jobs = [Job(p, n=n, sampler=Sampler(**s), max_tokens=m, emit=lambda e: None, logprobs=k)
+            for (p, m, s, n), k in zip(reqs, asks)]
     for job in jobs:
         sched.submit(job)
     index = {id(j): i for i, j in enumerate(jobs)}
@@ -58,13 +65,32 @@ def run_engine(model, reqs, *, slots: int, step_tokens: int, group=None, logits:
         plan = sched.next_plan(0.0)
         widest = max(widest, len(plan.rows))
         prefill = max(prefill, sum(len(r.ids) for r in plan.rows if len(r.ids) > 1))
-        sched.finish(engine.step(plan))
+        sched.finish(*engine.step(plan))
         for run, draw in (sched._drawn if logits and plan.rows else ()):
             for row, c in draw.members:  # the forward gives every row's last position, in row order
                 chosen_from[(index[id(run.job)], c, draw.step)] = seen[-1][row]
         steps += 1
     return {"tokens": [[c.ids for c in j.choices] for j in jobs], "steps": steps, "max_rows": widest,
-            "max_prefill_tokens": prefill, "logits": chosen_from, "cache_bytes": engine.cache.nbytes()}
+            "max_prefill_tokens": prefill, "logits": chosen_from, "cache_bytes": engine.cache.nbytes(),
+            "logprobs": _check_logprobs(jobs, asks, chosen_from) if logits else None}
+
+
+def _check_logprobs(jobs, asks, chosen_from) -> dict:
+    """Each reported log-probability against torch's log-softmax of the logits its token came
+    from, and each list of the most likely against those logits' order (value descending, index
+    ascending): the worst difference, the lists that differ, how many tokens were checked."""
+    worst, wrong, checked = 0.0, 0, 0
+    for i, (job, k) in enumerate(zip(jobs, asks)):
+        for c, choice in enumerate(job.choices):
+            assert (k is None) == (not choice.logprobs) and (k is None or len(choice.logprobs) == len(choice.ids))
+            for step, got in enumerate(choice.logprobs):
+                want = torch.log_softmax(chosen_from[(i, c, step)], dim=0)                 # (V,) float64
+                order = sorted(range(len(want)), key=lambda t: (-float(want[t]), t))[:k]
+                wrong += [t for t, _ in got.top] != order or got.token != choice.ids[step]
+                worst = max([worst, abs(got.logprob - float(want[got.token]))]
+                            + [abs(lp - float(want[t])) for t, lp in got.top])
+                checked += 1
+    return {"worst": worst, "wrong": wrong, "checked": checked}
 
 
 def alone(model, reqs) -> list:
@@ -84,7 +110,8 @@ def engine_worker(count: int) -> dict:
     out = {}
     for tp, group in ((2, pairs[r // 2]), (4, None)):
         split = parallelize(copy.deepcopy(dense), tp_group=group)
-        got = run_engine(split, reqs, slots=8, step_tokens=16, group=group)
+        got = run_engine(split, reqs, slots=8, step_tokens=16, group=group, logits=True)
+        got.pop("logits")  # checked here (got["logprobs"]); the tests read the tokens
         out[tp] = {**got, "alone": alone(split, reqs)}
     out["dense_alone"] = alone(dense, reqs) if r == 0 else None
     return out

@@ -57,6 +57,26 @@ def test_tp1_logits_equal_the_model_on_the_request_alone():
     assert worst <= LOGITS_TOL, worst
 
 
+# float64 log-softmax of the same logits, by torch's kernel against the engine's (on a split
+# vocabulary: shards' max and sum of exp merged across ranks): a few ulp of values ~5 in size;
+# 1e-12 is far above that and far below a fault (a shard's sum left out moves them by >1e-2).
+LOGPROBS_TOL = 1e-12
+
+
+def test_tp1_logprobs_are_the_log_softmax_of_the_logits_drawn_from():
+    got = dense_run()[2]["logprobs"]
+    assert got["wrong"] == 0 and got["worst"] <= LOGPROBS_TOL, got
+    assert got["checked"] >= 100, got
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_logprobs_merge_the_shards_into_the_log_softmax(tp):
+    for rank, res in enumerate(split_runs()):
+        got = res[tp]["logprobs"]
+        assert got["wrong"] == 0 and got["worst"] <= LOGPROBS_TOL, (rank, tp, got)
+        assert got["checked"] >= 100, got
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_split_every_request_equals_generate_alone(tp):
     runs = split_runs()
@@ -133,7 +153,7 @@ def test_a_cancelled_request_frees_its_slot_at_the_next_step():
     s.finish([[5]])
     a.cancel()
     assert _rows(s.next_plan(0)) == [(0, 0, 1)]  # b in a's slot, a gone
-    assert events == [("delta", 0, "", [5])]
+    assert events == [("delta", 0, "", [5], None)]
 
 
 def test_the_queue_is_bounded():
@@ -150,9 +170,10 @@ def test_a_stop_string_across_tokens_is_held_back_and_cut():
     letters = "abcdefgh"
     job, events = _job([0], max_tokens=10, stop_texts=("cd",), decode=lambda ids: "".join(letters[i] for i in ids))
     assert [job.deliver({0: t}) for t in (0, 1, 2)] == [set(), set(), set()]
-    assert events == [("delta", 0, "a", [0]), ("delta", 0, "b", [1]), ("delta", 0, "", [2])]  # "c" may begin "cd"
+    assert events == [("delta", 0, "a", [0], None), ("delta", 0, "b", [1], None),
+                      ("delta", 0, "", [2], None)]  # "c" may begin "cd"
     assert job.deliver({0: 3}) == {0}
-    assert events[3:] == [("delta", 0, "", [3]), ("finish", 0, "stop")]  # the text before the stop string only
+    assert events[3:] == [("delta", 0, "", [3], None), ("finish", 0, "stop")]  # the text before the stop string only
 
 
 def test_a_stop_token_and_max_tokens_end_a_choice():

@@ -1,7 +1,8 @@
 """`tensorpar serve` as a user runs it (the CLI in a process of its own, its ranks launched), with
 the official ``openai`` client: 32 concurrent requests of mixed lengths, samplers, ``n``, stop
 strings, stop tokens and ``max_tokens``, some streamed, each equal to ``generate`` on it alone
-(float64, the tiny Llama, at tp 1, 2 and 4: one server each, tp 2 through the CLI); a client that disconnects
+(float64, the tiny Llama, at tp 1, 2 and 4: one server each, tp 2 through the CLI); log-probabilities
+against the model's own; a client that disconnects
 mid-stream frees its slot; an API key; SIGTERM drains the streams in flight and exits 0; a rank
 that dies ends the server with a named error and no process left; bad command lines."""
 import asyncio
@@ -250,6 +251,82 @@ def test_chat_streams_generate_on_the_chat_template(server, served):
     got, text, reason, usage = asyncio.run(ask())
     assert (got, text, reason) == want, (got, text, reason, want)
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(want[0]))
+
+
+# float64 throughout: the server's log-softmax of its packed rows' logits against torch's of the
+# model's forward on the request alone; the logits agree to ~1e-15 relative (LOGITS_TOL of
+# test_serve_engine.py is 1e-10), log-probabilities of size ~5 to a few 1e-15: 1e-9 is far below
+# a fault (the tempered distribution, a shard's sum left out: >1e-2).
+LOGPROBS_TOL = 1e-9
+
+
+def _model_logprobs(prompt, ids):
+    """The dense model's log-softmax (V,) before each of ``ids``."""
+    model = make_tiny_model("llama", seed=3)
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt) + list(ids)])).logits[0, len(prompt) - 1:-1].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _top(want, k):
+    return sorted(range(want.shape[0]), key=lambda t: (-float(want[t]), t))[:k]
+
+
+def test_logprobs_are_the_model_s_own_in_openai_s_formats(server, served):
+    """Completions (logprobs: 3, whole; logprobs: 0 streamed, sampled at temperature 1.7: the
+    model's distribution, not the tempered one) and chat (top_logprobs: 2)."""
+    tok = W.tokenizer(served)
+    text = lambda t: tok.decode([t])  # noqa: E731
+    prompt = [5, 9, 17, 3]
+
+    async def ask():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.key, max_retries=0) as client:
+            whole = await client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                                                    logprobs=3, extra_body={"stop_token_ids": []})
+            streamed = {"ids": [], "tokens": [], "lps": [], "tops": []}
+            async for chunk in await client.completions.create(model="m", prompt=prompt, max_tokens=6, seed=4,
+                                                               temperature=1.7, logprobs=0, stream=True,
+                                                               extra_body={"stop_token_ids": []}):
+                for ch in chunk.choices:
+                    streamed["ids"] += getattr(ch, "token_ids", None) or []
+                    if ch.logprobs is not None:
+                        streamed["tokens"] += ch.logprobs.tokens
+                        streamed["lps"] += ch.logprobs.token_logprobs
+                        streamed["tops"] += ch.logprobs.top_logprobs
+            chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "t9 t10"}],
+                                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+            return whole, streamed, chat
+    whole, streamed, chat = asyncio.run(ask())
+
+    ch = whole.choices[0]
+    ids, lp = ch.token_ids, ch.logprobs
+    want = _model_logprobs(prompt, ids)
+    assert len(ids) == 6 and lp.tokens == [text(t) for t in ids]
+    assert max(abs(g - float(w[t])) for g, w, t in zip(lp.token_logprobs, want, ids)) <= LOGPROBS_TOL
+    for got, w, t in zip(lp.top_logprobs, want, ids):  # the 3 most likely and the drawn one
+        assert set(got) == {text(u) for u in _top(w, 3) + [t]}, (got, _top(w, 3))
+        assert all(abs(got[text(u)] - float(w[u])) <= LOGPROBS_TOL for u in _top(w, 3) + [t])
+    offsets = [len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
+    assert lp.text_offset == offsets, (lp.text_offset, offsets)
+
+    sampled = streamed["ids"]
+    want = _model_logprobs(prompt, sampled)
+    assert len(sampled) == 6 and streamed["tokens"] == [text(t) for t in sampled]
+    assert [list(t) for t in streamed["tops"]] == [[text(t)] for t in sampled]
+    assert max(abs(g - float(w[t])) for g, w, t in zip(streamed["lps"], want, sampled)) <= LOGPROBS_TOL
+    assert any(float(w[t]) < float(w.max()) for w, t in zip(want, sampled)), "every sampled token was greedy's"
+
+    ids = W.tokenizer(served).apply_chat_template([{"role": "user", "content": "t9 t10"}], add_generation_prompt=True,
+                                                  tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    drawn = chat.choices[0].token_ids
+    want = _model_logprobs(ids, drawn)
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [text(t) for t in drawn] and len(drawn) == 4
+    for e, w, t in zip(content, want, drawn):
+        assert abs(e.logprob - float(w[t])) <= LOGPROBS_TOL and e.bytes == list(text(t).encode())
+        assert [x.token for x in e.top_logprobs] == [text(u) for u in _top(w, 2)]
+        assert all(abs(x.logprob - float(w[u])) <= LOGPROBS_TOL for x, u in zip(e.top_logprobs, _top(w, 2)))
 
 
 def _stream_lines(url, body, headers=None):

@@ -314,7 +314,7 @@ def _step(engine, scheduler, state, plan) -> None:
     if not plan.rows:
         return
     t0 = time.perf_counter()
-    scheduler.finish(engine.step(plan))
+    scheduler.finish(*engine.step(plan))
     m = state.metrics
     m.step.observe(time.perf_counter() - t0)
     m.batch.observe(len(plan.rows))

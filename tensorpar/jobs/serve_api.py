@@ -7,12 +7,21 @@ chunk per token, then ``data: [DONE]``); ``GET /v1/models``, ``GET /health``, ``
 what an exact comparison reads). A request is checked whole before it is queued: anything
 malformed is a 400 with an OpenAI error object (``{"error": {"message", "type", "param",
 "code"}}``) naming the field and what it may be; options that would change the result in a way
-this server does not compute (``logprobs``, ``echo``, penalties, ``logit_bias``, ``best_of``)
-are refused, not ignored. A full queue is a 429; with an API key, a request without it is a 401.
+this server does not compute (``echo``, penalties, ``logit_bias``, ``best_of``) are refused, not
+ignored.
+
+Log-probabilities (``logprobs: k`` on completions; ``logprobs: true`` and ``top_logprobs: k`` on
+chat; ``k`` at most 20) are the model's own distribution at each drawn token (log-softmax of its
+logits, before temperature, top-k and top-p: what vLLM reports by default), one entry per token
+of ``token_ids``, in OpenAI's two formats (completions: ``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``; chat: ``content`` entries with ``token``, ``logprob``,
+``bytes``, ``top_logprobs``). A token's text is the tokenizer's decoding of it alone
+(``token_id:N`` without a tokenizer). A full queue is a 429; with an API key, a request without it is a 401.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import math
@@ -101,9 +110,9 @@ class _Options(BaseModel):
     stream: StrictBool | None = None
     stream_options: dict | None = None
     user: StrictStr | None = None
-    # refused unless left at their defaults (see the module docstring)
     logprobs: StrictBool | StrictInt | None = None
     top_logprobs: StrictInt | None = None
+    # refused unless left at their defaults (see the module docstring)
     echo: StrictBool | None = None
     best_of: StrictInt | None = None
     presence_penalty: Number | None = None
@@ -120,8 +129,9 @@ class ChatRequest(_Options):
     max_completion_tokens: StrictInt | None = None
 
 
-_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-                "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+_UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "presence_penalty": (None, 0),
+                "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+MAX_LOGPROBS = 20  # the most likely tokens reported beside each drawn one (OpenAI's bound on chat)
 
 
 def make_app(state: ServeState) -> FastAPI:
@@ -257,8 +267,34 @@ def _job(state: ServeState, body, chat: bool):
     decode = None if state.tokenizer is None else (
         lambda ids: state.tokenizer.decode(ids, skip_special_tokens=True))
     job = Job(prompt, n=n, sampler=_sampler(body), max_tokens=max_tokens, stop_ids=stop_ids, stop_texts=stops,
-              emit=emit, decode=decode, metrics=state.metrics)
+              emit=emit, decode=decode, metrics=state.metrics, logprobs=_logprobs(state, body, chat))
     return job, events
+
+
+def _logprobs(state: ServeState, body, chat: bool) -> int | None:
+    """How many most likely tokens to report beside each drawn one; None: no log-probabilities."""
+    most = min(MAX_LOGPROBS, state.vocab)
+    if not chat:
+        if body.top_logprobs is not None:
+            raise BadRequest("top_logprobs is a chat parameter; /v1/completions takes logprobs: k", "top_logprobs")
+        k = body.logprobs
+        if k is None:
+            return None
+        if isinstance(k, bool) or not 0 <= k <= most:
+            raise BadRequest(f"logprobs must be an integer in 0..{most} on /v1/completions, got {json.dumps(k)}",
+                             "logprobs")
+        return k
+    if body.logprobs is not None and not isinstance(body.logprobs, bool):
+        raise BadRequest(f"logprobs must be true or false on /v1/chat/completions (top_logprobs: k says how many), "
+                         f"got {body.logprobs}", "logprobs")
+    k = body.top_logprobs
+    if k is not None and not 0 <= k <= most:
+        raise BadRequest(f"top_logprobs must be an integer in 0..{most}, got {k}", "top_logprobs")
+    if not body.logprobs:
+        if k:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return k or 0
 
 
 def _prompt(state: ServeState, prompt) -> list[int]:
@@ -361,8 +397,9 @@ async def _stream(state, job, events, meta, chat: bool, include_usage: bool):
                                                             "finish_reason": None}]})
     async for event in _events(job, events):
         if event[0] == "delta":
-            _, c, text, ids = event
-            part = {"delta": {"content": text}} if chat else {"text": text, "logprobs": None}
+            _, c, text, ids, lps = event
+            part = {"delta": {"content": text}} if chat else {"text": text}
+            part["logprobs"] = _format_logprobs(state, lps, chat)
             yield _sse({**meta, "object": kind, "choices": [{"index": c, **part, "finish_reason": None,
                                                             "token_ids": ids}]})
         else:
@@ -386,10 +423,31 @@ async def _whole(state, request, job, events, meta, chat: bool):
     choices = []
     for c in range(job.n):
         ids = job.choices[c].ids
-        body = {"message": {"role": "assistant", "content": texts[c]}} if chat else {"text": texts[c], "logprobs": None}
+        body = {"message": {"role": "assistant", "content": texts[c]}} if chat else {"text": texts[c]}
+        body["logprobs"] = _format_logprobs(state, job.choices[c].logprobs if job.logprobs is not None else None, chat)
         choices.append({"index": c, **body, "finish_reason": reasons[c], "token_ids": ids})
     return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
             "usage": _usage(job)}
+
+
+def _format_logprobs(state: ServeState, entries, chat: bool):
+    """:class:`~tensorpar.jobs.serve_job.Logprob` entries in OpenAI's format (None: not asked)."""
+    if entries is None:
+        return None
+    text = functools.partial(_token_text, state.tokenizer)
+    if chat:
+        def item(token, lp):
+            t = text(token)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**{text(t): lp for t, lp in e.top}, text(e.token): e.logprob} for e in entries],
+            "text_offset": [e.text_offset for e in entries]}
+
+
+def _token_text(tokenizer, token: int) -> str:
+    return f"token_id:{token}" if tokenizer is None else tokenizer.decode([token])
 
 
 def _usage(job) -> dict:

@@ -10,8 +10,8 @@ wait for more than one step's budget of prompt tokens. A cancelled request (the 
 away) gives its slots back at the next step.
 
 A job is the API's side of a request (:class:`tensorpar.jobs.serve_job.Job`): ``prompt``, ``n``,
-``sampler``, ``cancelled``, and ``deliver({choice: token}) -> finished choices``, called after
-each step that drew its tokens.
+``sampler``, ``logprobs``, ``cancelled``, and ``deliver({choice: token}, {choice: Logprobs} or
+None) -> finished choices``, called after each step that drew its tokens.
 """
 from __future__ import annotations
 
@@ -93,13 +93,15 @@ class Scheduler:
         self._prefill(rows, draws, budget)
         return Plan(tuple(rows), tuple(draws))
 
-    def finish(self, tokens: list[list[int]]) -> None:
-        """The step's tokens (per draw, per member), handed to their jobs; finished choices leave."""
-        for (run, draw), got in zip(self._drawn, tokens, strict=True):
+    def finish(self, tokens: list[list[int]], logprobs: list | None = None) -> None:
+        """The step's tokens (per draw, per member) and log-probabilities (per draw: None, or per
+        member), handed to their jobs; finished choices leave."""
+        for (run, draw), got, lps in zip(self._drawn, tokens, logprobs or [None] * len(tokens), strict=True):
             run.steps += 1
             by_choice = {c: t for (_, c), t in zip(draw.members, got)}
             run.last.update(by_choice)
-            for c in run.job.deliver(by_choice):
+            by_lp = None if lps is None else {c: lp for (_, c), lp in zip(draw.members, lps)}
+            for c in run.job.deliver(by_choice, by_lp):
                 self._release(run, c)
 
     def _drop_cancelled(self) -> None:
@@ -153,6 +155,6 @@ class Scheduler:
                 self._add_draw(run, members, draws)
 
     def _add_draw(self, run: _Running, members: list, draws: list) -> None:
-        draw = Draw(run.job.sampler, run.steps, run.job.n, tuple(members))
+        draw = Draw(run.job.sampler, run.steps, run.job.n, tuple(members), run.job.logprobs)
         draws.append(draw)
         self._drawn.append((run, draw))

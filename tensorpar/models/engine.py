@@ -62,6 +62,7 @@ class Draw:
     step: int
     n: int
     members: tuple
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,17 @@ class Engine:
         self.head = head if sharded else None  # as generate decides: each rank holds a vocabulary shard
 
     @torch.inference_mode()
-    def step(self, plan: Plan) -> list[list[int]]:
-        """Per draw of ``plan``, the token of each member (in ``members`` order): the same on every rank."""
+    def step(self, plan: Plan) -> tuple[list[list[int]], list]:
+        """Per draw of ``plan``, the token of each member (in ``members`` order), the same on every
+        rank; and per draw, None or (for a draw that asks for them) per member :class:`Logprobs`."""
         if not plan.rows:
-            return []
+            return [], []
         self._check(plan)
         logits = self._forward(plan.rows)  # (R, V or V/tp): every row's last position
-        return self._choose(logits, plan.draws)
+        tokens = self._choose(logits, plan.draws)
+        if all(d.logprobs is None for d in plan.draws):
+            return tokens, [None] * len(plan.draws)
+        return tokens, self._logprobs(logits, plan.draws, tokens)
 
     def _check(self, plan: Plan) -> None:
         for row in plan.rows:  # the scheduler's invariants: a wrong plan would write another request's keys
@@ -217,6 +222,76 @@ class Engine:
     def _pick(self, d: Draw, values, indices, perturbed: bool) -> list[int]:
         tokens = choose(values, indices, d.sampler, d.step, self.vocab, perturbed=perturbed)  # (n,)
         return [int(tokens[c]) for _, c in d.members]
+
+
+    # ---- log-probabilities ----------------------------------------------------------------------
+
+    def _logprobs(self, logits, draws, tokens) -> list:
+        """The model's own distribution (log-softmax of the logits: before temperature, top-k and
+        top-p) at each member's row: its token's log-probability and the ``k`` most likely tokens
+        (value descending, index ascending). A vocabulary split over ranks is merged from one
+        all-gather of each shard's (max, sum of exp, the token's logit, its best ``k``): per row
+        ``3 + 2k`` float64 values a rank, nothing for draws that ask for none."""
+        want = [(d, i) for i, d in enumerate(draws) if d.logprobs is not None]
+        rows = torch.tensor([r for d, _ in want for r, _ in d.members])                     # (L,)
+        chosen = torch.tensor([t for _, i in want for t in tokens[i]])                      # (L,)
+        k = max(d.logprobs for d, _ in want)
+        if self.head is None:
+            full = logits[rows, :self.vocab].double()                                        # (L, V)
+            norm = torch.logsumexp(full, dim=1)                                              # (L,)
+            mine = full.gather(1, chosen[:, None])[:, 0]
+            top_v, top_i = _first(*_best_k(full, 0, k), k)
+        else:
+            norm, mine, top_v, top_i = self._shard_logprobs(logits[rows], chosen, k)
+        out, at = [None] * len(draws), 0
+        for d, i in want:
+            got = []
+            for _ in d.members:
+                top = [(int(t), float(v - norm[at])) for v, t in zip(top_v[at, :d.logprobs], top_i[at, :d.logprobs])]
+                got.append(Logprobs(float(mine[at] - norm[at]), top))
+                at += 1
+            out[i] = got
+        return out
+
+    def _shard_logprobs(self, shard, chosen, k: int):
+        """Per row: log of the sum of exp over the whole vocabulary, the chosen token's logit and
+        the best ``k`` (values, indices), from every rank's shard."""
+        start, width = self.head.output_start_index, shard.shape[1]
+        valid = max(0, min(self.vocab - start, width))
+        local = shard[:, :valid].double()                                                    # (L, valid)
+        top = local.max(dim=1).values if valid else local.new_full((local.shape[0],), -float("inf"))
+        safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        total = (local - safe[:, None]).exp().sum(dim=1)                                    # (L,)
+        here = (chosen >= start) & (chosen < start + valid)
+        mine = torch.full_like(top, -float("inf"))
+        mine[here] = local[here, chosen[here] - start]
+        v, i = _best_k(local, start, k)
+        packed = torch.cat([torch.stack([safe, total, mine], dim=1), _pad(v[:, :k], i[:, :k], k).flatten(1)], dim=1)
+        every = dist.all_gather(packed, dim=1, group=self.group, module="logprobs")         # (L, tp (3 + 2k))
+        every = every.view(every.shape[0], -1, 3 + 2 * k)                                   # (L, tp, 3 + 2k)
+        peak = every[..., 0].max(dim=1).values                                               # (L,)
+        norm = peak + (every[..., 1] * (every[..., 0] - peak[:, None]).exp()).sum(dim=1).log()
+        mine = every[..., 2].max(dim=1).values
+        cand = every[..., 3:].reshape(every.shape[0], -1, 2)                                 # (L, tp k, 2)
+        return (norm, mine, *_first(cand[..., 0], cand[..., 1], k))
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """One drawn token's log-probability under the model, and the ``k`` most likely tokens'
+    ``(token id, log-probability)``, most likely first."""
+
+    token: float
+    top: list
+
+
+def _first(values, indices, k: int):
+    """The ``k`` first of each row by value descending, ties by index ascending: ``(L, k)`` each
+    (padding, -inf, sorts last)."""
+    by_index = indices.argsort(dim=1, stable=True)
+    by_value = values.gather(1, by_index).argsort(dim=1, descending=True, stable=True)
+    order = by_index.gather(1, by_value)[:, :k]
+    return values.gather(1, order), indices.gather(1, order).long()
 
 
 class _Layout:
