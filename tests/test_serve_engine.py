@@ -4,6 +4,7 @@ once through 8 slots and 16 tokens a step, each equal to ``generate`` on it alon
 (in this process), 2 and 4 (one 4-rank launch); the scheduler's continuous batching step by step;
 a job's stop strings and held-back text."""
 import functools
+import random
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from tensorpar import distributed as dist
 from tensorpar.jobs.serve import cache_bytes
 from tensorpar.jobs.serve_job import Job
 from tensorpar.jobs.serve_scheduler import QueueFull, Scheduler
-from tensorpar.models.engine import Engine
+from tensorpar.models.engine import Draw, Engine, Plan, PlanWire, Row, _Layout
 from tensorpar.models.sampling import Sampler
 from tensorpar.models.tiny import make_tiny_model
 from tests import _serve_workers as W
@@ -106,6 +107,51 @@ def test_the_parent_s_cache_estimate_is_the_cache_a_rank_allocates():
     model = make_tiny_model("llama", seed=3, dtype=torch.float32)
     config = model.config.to_dict()
     assert Engine(model, slots=8, capacity=64).cache.nbytes() == cache_bytes(config, 1, 8, 64, 4) == 8 * 24576
+
+
+def test_any_layout_of_rows_gives_each_row_the_model_s_logits():
+    """Random steps (tp 1): rows of 1-5 tokens in random slots and orders, slots restarted at
+    random, decode rows packed first in slots 0, 1, .. or not: each row's logits against the
+    model's forward on its slot's tokens so far. The scheduler's own steps are mostly packed
+    (test_tp1_logits_...); this reaches the scatter path and the mixes it rarely makes."""
+    model = make_tiny_model("llama", seed=3)
+    engine = Engine(model, slots=6, capacity=64)
+    rng, seen, worst, kinds = random.Random(0), [[] for _ in range(6)], 0.0, set()
+    for _ in range(120):
+        rows = []
+        for s in rng.sample(range(6), rng.randint(1, 6)):
+            if len(seen[s]) > 55 or rng.random() < 0.1:
+                seen[s] = []
+            T = 1 if seen[s] and rng.random() < 0.7 else rng.randint(1, 5)
+            rows.append(Row(s, len(seen[s]), tuple(rng.randrange(130) for _ in range(T))))
+            seen[s] += rows[-1].ids
+        rows.sort(key=lambda r: (len(r.ids) > 1, r.slot if rng.random() < 0.7 else -r.slot))
+        with torch.inference_mode():
+            got = engine._forward(tuple(rows)).double()
+            for r, g in zip(rows, got):
+                want = model(torch.tensor([seen[r.slot][:r.start + len(r.ids)]])).logits[0, -1].double()
+                worst = max(worst, float((g - want).abs().max() / want.abs().max()))
+        kinds.add(_Layout(rows, [len(r.ids) for r in rows]).packed)
+    assert worst <= LOGITS_TOL and kinds == {True, False}, (worst, kinds)
+
+
+def test_the_plan_wire_is_lossless_and_bounded():
+    """What rank 0 sends is what every rank runs: random plans (samplers of every kind, seeds up
+    to 2**63 - 1, logprobs, stop) through encode and decode; a plan past the bounds is refused."""
+    rng = random.Random(1)
+    samplers = [Sampler(), Sampler(do_sample=True, temperature=0.7, top_k=5, top_p=0.8, seed=2 ** 63 - 1),
+                Sampler(do_sample=True, temperature=1.3, seed=rng.randrange(2 ** 63)), Sampler(do_sample=True, top_p=0.6)]
+    for _ in range(50):
+        rows = tuple(Row(rng.randrange(8), rng.randrange(60), tuple(rng.randrange(130) for _ in range(rng.randint(1, 4))))
+                     for _ in range(rng.randint(0, 8)))
+        draws = tuple(Draw(rng.choice(samplers), rng.randrange(50), 2, ((rng.randrange(8), rng.randrange(2)),) * rng.randint(1, 2),
+                           rng.choice([None, 0, 3])) for _ in range(rng.randint(0, 4)))
+        plan = Plan(rows, draws, rng.random() < 0.1)
+        assert PlanWire.decode(PlanWire.encode(plan)) == plan
+        assert len(PlanWire.encode(plan)) <= PlanWire(8, 32).size
+    wide = Plan(tuple(Row(s, 0, (1,) * 5) for s in range(8)))  # 8 rows of 5 tokens: past 4 slots, 4 tokens
+    with pytest.raises(ValueError, match="needs 68 words; the wire holds 64"):
+        PlanWire(4, 4).words(wide)
 
 
 # ---- the scheduler, step by step (no model: the tokens are made up) -------------------------------

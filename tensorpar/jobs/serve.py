@@ -2,7 +2,7 @@
 
 Every rank loads its shard (``load_sharded``) and runs the engine loop; rank 0 also runs the HTTP
 server (uvicorn, in a thread of its own) and the scheduler: each step it sends the plan to the
-other ranks (:func:`~tensorpar.models.engine.exchange_plan`), every rank runs it, and rank 0 hands
+other ranks (:class:`~tensorpar.models.engine.PlanWire`), every rank runs it, and rank 0 hands
 the tokens to the requests' handlers. Idle, rank 0 still sends an empty plan every
 :data:`IDLE_S` seconds, so no rank waits in a collective long enough to look stuck, and a rank
 that died is found within that time (the launcher ends the whole job, naming it).
@@ -39,7 +39,7 @@ from tensorpar.jobs.common import DTYPES, check_tp, is_decoder, max_positions, o
 from tensorpar.jobs.serve_api import ServeState, make_app
 from tensorpar.jobs.serve_scheduler import Scheduler
 from tensorpar.models.checkpoint import load_sharded
-from tensorpar.models.engine import Engine, Plan, exchange_plan
+from tensorpar.models.engine import Engine, Plan, PlanWire
 
 IDLE_S = 0.5
 START_S = 120.0  # the HTTP server's start (binding, the app) on rank 0, bounded
@@ -230,23 +230,24 @@ def serve_rank(spec: dict) -> dict:
     model, _ = load_sharded(spec["path"], dtype=DTYPES[spec["dtype"]])
     model.eval()
     engine = Engine(model, slots=spec["max_batch"], capacity=spec["capacity"])
+    wire = PlanWire(spec["max_batch"], spec["step_tokens"], device=engine.decoder.device)
     pids = dist.all_gather_object(os.getpid())
     if dist.get_rank() != 0:
-        return _follow(engine)
-    return _lead(engine, spec, pids)
+        return _follow(engine, wire)
+    return _lead(engine, wire, spec, pids)
 
 
-def _follow(engine: Engine) -> dict:
+def _follow(engine: Engine, wire: PlanWire) -> dict:
     steps = 0
     while True:
-        plan = exchange_plan(None)
+        plan = wire.exchange(None)
         if plan.stop:
             return {"rank": dist.get_rank(), "steps": steps}
         engine.step(plan)
         steps += 1
 
 
-def _lead(engine: Engine, spec: dict, pids: list) -> dict:
+def _lead(engine: Engine, wire: PlanWire, spec: dict, pids: list) -> dict:
     from transformers import AutoTokenizer
 
     scheduler = Scheduler(spec["max_batch"], spec["step_tokens"], spec["max_queue"])
@@ -264,7 +265,7 @@ def _lead(engine: Engine, spec: dict, pids: list) -> dict:
             "pids": pids}
     _write(Path(spec["control"]) / "ready.json", info)
     try:
-        steps, forced = _loop(engine, scheduler, state, server, http, Path(spec["control"]) / "signal")
+        steps, forced = _loop(engine, wire, scheduler, state, server, http, Path(spec["control"]) / "signal")
     finally:
         server.should_exit = True
     return {"event": "stopped", "url": info["url"], "steps": steps, "forced": forced,
@@ -291,7 +292,7 @@ def _write(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def _loop(engine, scheduler, state, server, http, signal_file: Path) -> tuple[int, bool]:
+def _loop(engine, wire, scheduler, state, server, http, signal_file: Path) -> tuple[int, bool]:
     """Steps until told to stop and drained (or told twice); ``(steps, forced)``."""
     steps, draining = 0, False
     while True:
@@ -302,7 +303,7 @@ def _loop(engine, scheduler, state, server, http, signal_file: Path) -> tuple[in
             raise RuntimeError("the HTTP server stopped by itself (its log on stderr says why)")
         plan = scheduler.next_plan(IDLE_S)
         stop = word == "stop" or (draining and not http.is_alive() and scheduler.idle)
-        plan = exchange_plan(Plan(stop=True) if stop else plan)
+        plan = wire.exchange(Plan(stop=True) if stop else plan)
         if plan.stop:
             server.force_exit = True
             return steps, word == "stop"
@@ -315,6 +316,7 @@ def _step(engine, scheduler, state, plan) -> None:
         return
     t0 = time.perf_counter()
     scheduler.finish(*engine.step(plan))
+    state.outbox.flush()
     m = state.metrics
     m.step.observe(time.perf_counter() - t0)
     m.batch.observe(len(plan.rows))

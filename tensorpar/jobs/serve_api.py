@@ -26,6 +26,7 @@ import hmac
 import json
 import math
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,34 @@ class Metrics:
             self.tpot.observe(gap_s)
 
 
+class Outbox:
+    """Events from the engine's thread to the handlers' event loop, handed over once a step: one
+    wake-up of the loop a step (:meth:`flush`), not one a token of each stream."""
+
+    def __init__(self):
+        self._pending: list = []
+        self._lock = threading.Lock()
+
+    def post(self, loop, queue, event) -> None:
+        with self._lock:
+            self._pending.append((loop, queue, event))
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for loop in {id(loop): loop for loop, _, _ in batch}.values():
+            mine = [(q, e) for lp, q, e in batch if lp is loop]
+            try:
+                loop.call_soon_threadsafe(_hand_over, mine)
+            except RuntimeError:  # the loop has closed: the server is gone, nobody listens
+                pass
+
+
+def _hand_over(batch: list) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)
+
+
 @dataclass
 class ServeState:
     scheduler: object
@@ -82,6 +111,7 @@ class ServeState:
     tokenizer: object = None
     api_key: str | None = None
     metrics: Metrics = field(default_factory=Metrics)
+    outbox: Outbox = field(default_factory=Outbox)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -257,13 +287,8 @@ def _job(state: ServeState, body, chat: bool):
         raise BadRequest("stop strings must not be empty", "stop")
     if stops and state.tokenizer is None:
         raise BadRequest("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-
-    def emit(event):  # from the engine's thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop has closed: the server is gone, nobody listens
-            pass
+    events = asyncio.Queue()
+    emit = functools.partial(state.outbox.post, asyncio.get_running_loop(), events)  # handed over after the step
     decode = None if state.tokenizer is None else (
         lambda ids: state.tokenizer.decode(ids, skip_special_tokens=True))
     job = Job(prompt, n=n, sampler=_sampler(body), max_tokens=max_tokens, stop_ids=stop_ids, stop_texts=stops,

@@ -2,8 +2,9 @@
 events for the HTTP handler that waits on them.
 
 The engine loop calls :meth:`Job.deliver` after each step that drew the request's tokens; the
-job decides which choices have finished (a stop token, a stop string, ``max_tokens``) and puts
-events on the handler's asyncio queue from the engine's thread (``call_soon_threadsafe``):
+job decides which choices have finished (a stop token, a stop string, ``max_tokens``) and emits
+events for the handler's asyncio queue from the engine's thread (through the server's outbox,
+handed to the event loop once a step: :class:`tensorpar.jobs.serve_api.Outbox`):
 ``("delta", choice, text, token_ids, logprobs)``, ``("finish", choice, reason)``; ``logprobs``
 is None unless the request asked for them, else one :class:`Logprob` per token of ``token_ids``. Text is the tokenizer's
 decoding of every token so far, sent as it grows; the tail that could still become a stop string

@@ -3,7 +3,7 @@ preallocated sharded KV cache, each decoded as :func:`~tensorpar.models.generati
 decodes it alone.
 
 Rank 0 decides each step's :class:`Plan` (which rows run, and how each request picks its next
-token) and sends it to the other ranks (:func:`exchange_plan`); every rank then runs
+token) and sends it to the other ranks (:class:`PlanWire`: one broadcast); every rank then runs
 :meth:`Engine.step` on the same plan and, from the candidates every rank offers, computes the same
 tokens (no broadcast of tokens). The other ranks keep no request state: a plan says everything.
 
@@ -31,6 +31,7 @@ modules, its numerics.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,11 @@ import torch.nn.functional as F
 from tensorpar import distributed as dist
 from tensorpar.models.generation import _best_k, _vocab_size
 from tensorpar.models.lean import _allowed, _mm, _rope, lean_decoder
-from tensorpar.models.sampling import Sampler, choose, gumbel
+from tensorpar.models.sampling import Sampler, _order, choose, gumbel
 from tensorpar.nn.layers import ColumnParallelLinear
+
+
+GREEDY = Sampler()
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,91 @@ class Plan:
     stop: bool = False  # the server is done: every rank leaves its loop
 
 
-def exchange_plan(plan: Plan | None, group=None) -> Plan:
-    """Rank 0's plan on every rank of ``group`` (the others pass None)."""
-    return dist.broadcast_object(plan, src=0, group=group)
+class PlanWire:
+    """Rank 0's plan on every rank of ``group`` in one broadcast of a fixed-size int64 buffer.
+
+    A step of a server with ``slots`` slots and ``step_tokens`` tokens a step has at most
+    ``slots`` rows, draws and members and ``step_tokens`` token ids, so a buffer sized for the
+    largest plan needs no broadcast of its size first (a pickled object takes two broadcasts and
+    a pickle each step). The layout: ``stop, rows, draws, ids`` counts; per row ``slot, start,
+    length``; the ids; per draw ``do_sample, temperature, top_k, top_p, seed, step, n, logprobs,
+    members`` (floats as their IEEE-754 bits, None as -1) and its ``(row, choice)`` pairs.
+    Lossless: :meth:`decode` of :meth:`encode` is the plan."""
+
+    HEAD, ROW, DRAW = 4, 3, 9
+
+    def __init__(self, slots: int, step_tokens: int, group=None, device=None):
+        self.size = self.HEAD + slots * (self.ROW + self.DRAW + 2) + step_tokens
+        self.group = group
+        self.buf = torch.zeros(self.size, dtype=torch.int64, device=device)
+
+    def exchange(self, plan: Plan | None) -> Plan:
+        """Rank 0 passes its plan, the others None; every rank returns rank 0's plan."""
+        if dist.get_world_size(self.group) == 1:
+            return plan
+        lead = dist.get_rank(self.group) == 0
+        if lead:
+            words = self.words(plan)
+            self.buf[:len(words)] = torch.tensor(words, dtype=torch.int64)
+        dist.broadcast(self.buf, src=0, group=self.group, module="plan")
+        return plan if lead else self.decode(self.buf.tolist())
+
+    def words(self, plan: Plan) -> list:
+        """``plan`` encoded; ValueError where it is larger than the wire (the scheduler's bounds
+        broken: a bug, never a truncated plan)."""
+        words = self.encode(plan)
+        if len(words) > self.size:
+            raise ValueError(f"a plan of {len(plan.rows)} rows and {sum(len(r.ids) for r in plan.rows)} "
+                             f"tokens needs {len(words)} words; the wire holds {self.size}")
+        return words
+
+    @classmethod
+    def encode(cls, plan: Plan) -> list:
+        ids = [t for r in plan.rows for t in r.ids]
+        words = [int(plan.stop), len(plan.rows), len(plan.draws), len(ids)]
+        for r in plan.rows:
+            words += [r.slot, r.start, len(r.ids)]
+        words += ids
+        for d in plan.draws:
+            s = d.sampler
+            words += [int(s.do_sample), _bits(float(s.temperature)), -1 if s.top_k is None else s.top_k,
+                      _bits(float(s.top_p)), s.seed, d.step, d.n, -1 if d.logprobs is None else d.logprobs,
+                      len(d.members)]
+            words += [x for pair in d.members for x in pair]
+        return words
+
+    @classmethod
+    def decode(cls, words: list) -> Plan:
+        stop, nrows, ndraws, nids = words[:cls.HEAD]
+        at, lengths, starts = cls.HEAD, [], []
+        for _ in range(nrows):
+            slot, start, length = words[at:at + cls.ROW]
+            starts.append((slot, start))
+            lengths.append(length)
+            at += cls.ROW
+        ids, at = words[at:at + nids], at + nids
+        rows, used = [], 0
+        for (slot, start), length in zip(starts, lengths):
+            rows.append(Row(slot, start, tuple(ids[used:used + length])))
+            used += length
+        draws = []
+        for _ in range(ndraws):
+            do_sample, temperature, top_k, top_p, seed, step, n, logprobs, members = words[at:at + cls.DRAW]
+            at += cls.DRAW
+            pairs = tuple((words[at + 2 * i], words[at + 2 * i + 1]) for i in range(members))
+            at += 2 * members
+            sampler = Sampler(do_sample=bool(do_sample), temperature=_float(temperature),
+                              top_k=None if top_k == -1 else top_k, top_p=_float(top_p), seed=seed)
+            draws.append(Draw(sampler, step, n, pairs, None if logprobs == -1 else logprobs))
+        return Plan(tuple(rows), tuple(draws), bool(stop))
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 class SlotCache:
@@ -128,8 +214,8 @@ class Engine:
         d = self.decoder
         lengths = [len(r.ids) for r in rows]
         ids = torch.tensor([t for r in rows for t in r.ids])                                 # (N,)
-        pos = torch.cat([torch.arange(r.start, r.start + len(r.ids)) for r in rows])         # (N,)
-        slot = torch.repeat_interleave(torch.tensor([r.slot for r in rows]), torch.tensor(lengths))
+        pos = torch.tensor([p for r in rows for p in range(r.start, r.start + len(r.ids))])  # (N,)
+        slot = torch.tensor([r.slot for r in rows for _ in r.ids])                            # (N,)
         x = d._embed(ids[None])                                                              # (1, N, H)
         cos, sin = d.rope(x, pos[None])                                                      # (1, N, hd)
         rot = (cos[0][:, None], (sin[0] * d.sign.to(sin.dtype))[:, None])                    # (N, 1, hd)
@@ -149,9 +235,14 @@ class Engine:
         K, V = self.cache.k[i], self.cache.v[i]                                              # (S, nkv, C, hd)
         K[slot, :, pos] = k                                                                  # every new key first
         V[slot, :, pos] = v
-        o = torch.empty_like(q)                                                              # (N, nh, hd)
         gqa = lay.heads != lay.kv_heads
-        if layout.decode:
+        if layout.packed and not layout.prefill:  # the common step: running streams only
+            o = self._decode_attention(lay, q, K, V, layout, gqa)                             # (N, nh, hd)
+            return self.decoder._out(o.reshape(N, lay.heads * hd), lay.o, lay.o_module, 1)
+        o = torch.empty_like(q)                                                              # (N, nh, hd)
+        if layout.packed:
+            o[:layout.hi] = self._decode_attention(lay, q, K, V, layout, gqa)
+        elif layout.decode:
             o[layout.decode_tokens] = self._decode_attention(lay, q, K, V, layout, gqa)
         for at, r in layout.prefill:
             T, end = len(r.ids), r.start + len(r.ids)
@@ -167,24 +258,42 @@ class Engine:
         each slot's query attends to its own keys below its own length; slots without a decode
         row get a zero query and one key, and their output is dropped."""
         hi, L = layout.hi, layout.longest
-        qd = q.new_zeros(hi, lay.heads, 1, q.shape[-1])                                    # (hi, nh, 1, hd)
-        qd[layout.decode_slots, :, 0] = q[layout.decode_tokens]
+        if layout.packed:  # decode rows first, in slots 0, 1, ..: the queries as they are (a view)
+            qd = q[:hi, :, None]                                                             # (hi, nh, 1, hd)
+        else:
+            qd = q.new_zeros(hi, lay.heads, 1, q.shape[-1])                                # (hi, nh, 1, hd)
+            qd[layout.decode_slots, :, 0] = q[layout.decode_tokens]
         od = F.scaled_dot_product_attention(qd, K[:hi, :, :L], V[:hi, :, :L], attn_mask=layout.decode_mask,
                                             scale=lay.scaling, enable_gqa=gqa)              # (hi, nh, 1, hd)
-        return od[layout.decode_slots, :, 0]                                                # (nd, nh, hd)
+        return od[:, :, 0] if layout.packed else od[layout.decode_slots, :, 0]             # (nd, nh, hd)
 
     # ---- the choice -----------------------------------------------------------------------------
 
     def _choose(self, logits, draws) -> list[list[int]]:
+        """Per draw, its members' tokens. Greedy draws (most of a server's) are chosen together:
+        one set of candidates for all their rows, one choice (greedy is row by row: the same
+        tokens as draw by draw); a sampling draw is chosen on its own ``n`` rows (its noise is
+        keyed by its seed, its step and its row)."""
+        greedy = [i for i, d in enumerate(draws) if not d.sampler.do_sample]
+        rows = torch.tensor([r for i in greedy for r, _ in draws[i].members], dtype=torch.long)
         if self.head is None:  # every rank holds every logit
             full = logits[:, :self.vocab].double()
-            return [self._pick(d, *_best_k(_rows(full, d), 0, None if d.sampler.shard_gumbel
-                                           else d.sampler.candidates), False) for d in draws]
-        return self._exchange(logits, draws)
+            out = [None if not d.sampler.do_sample else
+                   self._pick(d, *_best_k(_rows(full, d), 0, None if d.sampler.shard_gumbel
+                                          else d.sampler.candidates), False) for d in draws]
+            tokens = choose(*_best_k(full[rows], 0, 1), GREEDY, 0, self.vocab).tolist() if greedy else []
+        else:
+            out, tokens = self._exchange(logits, draws, greedy, rows)
+        at = 0
+        for i in greedy:
+            out[i], at = tokens[at:at + len(draws[i].members)], at + len(draws[i].members)
+        return out
 
-    def _exchange(self, shard, draws) -> list[list[int]]:
-        """As generate's exchange, for many requests in one step: each draw's rows offer their
-        candidates (its own ``k``), packed to the step's largest ``k`` and gathered once."""
+    def _exchange(self, shard, draws, greedy: list, rows) -> tuple[list, list]:
+        """As generate's exchange, for many requests in one step: the greedy draws' rows and each
+        sampling draw's rows offer their candidates (each its own ``k``), packed to the step's
+        largest ``k`` and gathered once. Returns the sampling draws' tokens (None at the greedy
+        ones) and the greedy rows' tokens, in ``rows`` order."""
         start, width = self.head.output_start_index, shard.shape[1]
         valid = max(0, min(self.vocab - start, width))
         local = shard.double()
@@ -192,23 +301,31 @@ class Engine:
         full = None
         if any(d.sampler.candidates is None for d in draws):  # top-p without top-k: every logit
             full = dist.all_gather(shard, dim=-1, group=self.group)[:, :self.vocab].double()  # (R, V)
-        offers = [self._offer(local, d, start, valid) for d in draws if d.sampler.candidates is not None]
+        sampled = [d for d in draws if d.sampler.do_sample and d.sampler.candidates is not None]
+        offers = ([_best_k(local[rows], start, 1)] if greedy else []) + [
+            self._offer(local, d, start, valid) for d in sampled]
         K = max((v.shape[1] for v, _ in offers), default=0)
         every = None
         if offers:
-            packed = torch.cat([_pad(v, i, K) for v, i in offers])                           # (sum n, K, 2)
-            every = dist.all_gather(packed, dim=1, group=self.group, module="next_token")    # (sum n, tp K, 2)
-            every = every.view(every.shape[0], -1, K, 2)                                     # (sum n, tp, K, 2)
-        out, at = [], 0
+            packed = torch.cat([_pad(v, i, K) for v, i in offers])                           # (offers' rows, K, 2)
+            every = dist.all_gather(packed, dim=1, group=self.group, module="next_token")    # (.., tp K, 2)
+            every = every.view(every.shape[0], -1, K, 2)                                     # (.., tp, K, 2)
+        tokens, at = [], len(rows) if greedy else 0
+        if greedy:
+            mine = every[:at, :, :1].reshape(at, -1, 2)                                      # (G, tp, 2)
+            tokens = choose(mine[..., 0], mine[..., 1].long(), GREEDY, 0, self.vocab).tolist()
+        out = []
         for d in draws:
-            if d.sampler.candidates is None:
+            if not d.sampler.do_sample:
+                out.append(None)
+            elif d.sampler.candidates is None:
                 out.append(self._pick(d, *_best_k(_rows(full, d), 0, None), False))
-                continue
-            k = min(d.sampler.candidates, width)
-            mine = every[at:at + d.n, :, :k].reshape(d.n, -1, 2)                            # (n, tp k, 2)
-            at += d.n
-            out.append(self._pick(d, mine[..., 0], mine[..., 1].long(), d.sampler.shard_gumbel))
-        return out
+            else:
+                k = min(d.sampler.candidates, width)
+                mine = every[at:at + d.n, :, :k].reshape(d.n, -1, 2)                        # (n, tp k, 2)
+                at += d.n
+                out.append(self._pick(d, mine[..., 0], mine[..., 1].long(), d.sampler.shard_gumbel))
+        return out, tokens
 
     def _offer(self, local, d: Draw, start: int, valid: int):
         """This shard's candidates for draw ``d``: (values, indices), ``(n, k)`` each."""
@@ -288,9 +405,7 @@ class Logprobs:
 def _first(values, indices, k: int):
     """The ``k`` first of each row by value descending, ties by index ascending: ``(L, k)`` each
     (padding, -inf, sorts last)."""
-    by_index = indices.argsort(dim=1, stable=True)
-    by_value = values.gather(1, by_index).argsort(dim=1, descending=True, stable=True)
-    order = by_index.gather(1, by_value)[:, :k]
+    order = _order(values, indices)[:, :k]
     return values.gather(1, order), indices.gather(1, order).long()
 
 
@@ -304,6 +419,9 @@ class _Layout:
         one = [(at, r) for at, r in zip(starts, rows) if len(r.ids) == 1]
         self.prefill = [(at, r) for at, r in zip(starts, rows) if len(r.ids) > 1]
         self.decode = bool(one)
+        # packed: the decode rows are the first tokens and sit in slots 0, 1, .. in order (the
+        # scheduler's usual step), so their queries and outputs need no gather or scatter
+        self.packed = bool(one) and [(at, r.slot) for at, r in one] == [(i, i) for i in range(len(one))]
         if not one:
             return
         self.decode_tokens = torch.tensor([at for at, _ in one])                             # (nd,)
