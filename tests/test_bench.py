@@ -287,6 +287,7 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     every op), then every case (training at tp, dp and pp, decode, prefill) timed with the
     planner's estimate from that profile beside it; its terms add up to the estimate."""
     import math
+    import statistics
 
     from tensorpar.bench.estimates import TARGET, estimates_table
     from tensorpar.planner.profile import OPS, PHASES, from_dict
@@ -303,7 +304,11 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
         assert len(r["samples_s"]) == 3 and r["measured_s"] > 0 and math.isfinite(r["estimate_s"]) and r["estimate_s"] > 0
         assert r["estimate_s"] == pytest.approx(sum(r["terms"].values()))
         assert r["measured_vs_estimate"] == pytest.approx(r["measured_s"] / r["estimate_s"])
-        assert r["within_target"] == (abs(r["measured_vs_estimate"] - 1) <= TARGET)
+        # each sample read at the profile's speed (the host's, measured before it), then the median
+        assert 0.05 < r["host_speed"] < 20, r
+        at_speed = statistics.median(t * f for t, f in zip(r["samples_s"], r["speeds"])) / r["estimate_s"]
+        assert r["at_profile_speed_vs_estimate"] == pytest.approx(at_speed)
+        assert r["within_target"] == (abs(r["at_profile_speed_vs_estimate"] - 1) <= TARGET)
         assert r["dominant"] == max(r["terms"], key=r["terms"].get)
     by = {r["case"]: r for r in rows}
     assert by["pp2"]["terms"]["bubble_s"] > 0 and by["pp2"]["terms"]["pp_comm_s"] > 0

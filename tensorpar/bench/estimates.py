@@ -78,9 +78,58 @@ def estimate(path, layout: Layout, profile: Profile, *, seq: int, what: str, tra
     return {"estimate_s": part["seconds"], "terms": part["terms"], "dominant": part["dominant"]}
 
 
-def judged(measured_s: float, est: dict) -> dict:
+def judged(measured_s: float, est: dict, speeds: list | None = None, samples: list | None = None) -> dict:
+    """The case beside its estimate: ``measured_vs_estimate`` from the median sample; with the
+    host's speed beside each sample (``speeds``, :class:`HostSpeed`), also the median over
+    rounds of each sample at the profile's speed against the estimate, which the target judges
+    (``within_target``)."""
     ratio = measured_s / est["estimate_s"]
-    return {**est, "measured_s": measured_s, "measured_vs_estimate": ratio, "within_target": abs(ratio - 1) <= TARGET}
+    out = {**est, "measured_s": measured_s, "measured_vs_estimate": ratio}
+    if speeds:
+        out["speeds"], out["host_speed"] = list(speeds), statistics.median(speeds)
+        ratio = statistics.median(t * f for t, f in zip(samples, speeds)) / est["estimate_s"]
+        out["at_profile_speed_vs_estimate"] = ratio
+    return {**out, "within_target": abs(ratio - 1) <= TARGET}
+
+
+class HostSpeed:
+    """The host's speed now against the profile's, as calibrate measured it: two GEMMs of its
+    grid (the largest weight at its smallest ``m``, bound by memory, and at its largest, bound by
+    arithmetic) timed its way (cold weights, every rank at once, the slowest rank's time),
+    profile's time over now's, the geometric mean of the two (> 1: faster than when calibrated).
+    A shared machine's speed moves between a calibration and a run and within a run; this is
+    measured before each sample, so that each sample can be read at the profile's speed. ``None``
+    where the profile has no measured points (a preset)."""
+
+    def __init__(self, profile: Profile):
+        points = {tuple(p[:3]): p[3] for p in profile.gemm_for("fp32").fit.get("points") or []}
+        self.usable = bool(points)
+        self.shapes, self.ref, self.calls = [], [], []
+        if self.usable:
+            n, k = max({(n, k) for _, n, k in points}, key=lambda nk: (nk[0] * nk[1], nk))
+            ms = sorted(m for m, pn, pk in points if (pn, pk) == (n, k))
+            self.shapes = [(ms[0], n, k), (ms[-1], n, k)]
+            self.ref = [points[shape] for shape in self.shapes]
+            for m, n, k in self.shapes:
+                copies = max(1, calibrate.COLD_BYTES // (n * k * 4))
+                weights, x, turn = [torch.randn(n, k) for _ in range(copies)], torch.randn(m, k), iter(range(1 << 62))
+                self.calls.append(lambda w=weights, x=x, t=turn, c=copies: torch.nn.functional.linear(x, w[next(t) % c]))
+
+    def __call__(self) -> float | None:
+        if not self.usable:
+            return None
+        dist.barrier()
+        now = torch.tensor([calibrate._median_time(call, 1) for call in self.calls], dtype=torch.float64)
+        dist.all_reduce(now, op="max")
+        ratios = [ref / t for ref, t in zip(self.ref, now.tolist())]
+        return float(torch.tensor(ratios).log().mean().exp())
+
+
+def _probed(speed: HostSpeed) -> tuple[dict, object]:
+    """``(speeds, before)``: ``before(name)`` for :func:`interleaved` records the host's speed
+    before each sample into ``speeds[name]``."""
+    speeds: dict = {}
+    return speeds, lambda name: speeds.setdefault(name, []).append(speed())
 
 
 # ---- the runs ----------------------------------------------------------------------------------
@@ -127,17 +176,28 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     rows = []
     cases = _train_cases(dense, ids)
-    samples = interleaved({name: step for name, (_, step) in cases.items()}, repeats, warmup=2)
+    speed = HostSpeed(profile)
+    speeds, before = _probed(speed)
+    samples = interleaved({name: step for name, (_, step) in cases.items()}, repeats, warmup=2, before=before)
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
-        rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq),
-                     "samples_s": samples[name], **judged(statistics.median(samples[name]), guess)})
+        rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
+                     **judged(statistics.median(samples[name]), guess, _known(speeds, name)[-repeats:],
+                              samples[name])})
     del cases
-    rows += _inference_rows(path, profile, repeats, new, dense.config.vocab_size)
+    rows += _inference_rows(path, profile, repeats, new, dense.config.vocab_size, speed)
     return {"rows": rows, "profile": profile.to_dict()}
 
 
-def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int) -> list:
+def _known(speeds: dict, *names) -> list | None:
+    """Per round, the mean host speed before the samples of ``names`` (None: not measured)."""
+    rows = list(zip(*(speeds.get(n) or [] for n in names)))
+    if not rows or any(f is None for r in rows for f in r):
+        return None
+    return [sum(r) / len(r) for r in rows]
+
+
+def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int, speed: HostSpeed) -> list:
     shm = dist.new_group([0, 1], backend="shm")
     models = {"shm": load_sharded(path, tp_group=shm, dtype=torch.float32)[0].eval(),
               "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"), dtype=torch.float32)[0].eval()}
@@ -156,8 +216,9 @@ def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int) 
         runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
         if what == "decode":
             runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
+    speeds, before = _probed(speed)
     with torch.no_grad():
-        timed = interleaved(runs, repeats, warmup=1)
+        timed = interleaved(runs, repeats, warmup=1, before=before)
     samples = {}  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
     for name, _, _, _, what, _, _ in cases:
         samples[name] = timed[f"{name}/1"] if what == "prefill" else [
@@ -167,10 +228,12 @@ def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int) 
         layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
         context = PROMPT + new // 2 if what == "decode" else PROMPT
         guess = estimate(path, layout, profile, seq=context, what=what, transport=transport, engine=est_engine)
+        known = _known(speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(speeds, f"{name}/1")
         rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
                      f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
                      f"{'lean' if engine == 'auto' else 'HF'} forward",
-                     "samples_s": samples[name], **judged(statistics.median(samples[name]), guess)})
+                     "samples_s": samples[name],
+                     **judged(statistics.median(samples[name]), guess, known and known[-repeats:], samples[name])})
     return rows
 
 
@@ -192,12 +255,18 @@ def run_estimates_bench(profile: Profile | None, repeats: int = 5, sizes=None, b
 
 
 def estimates_table(rows: list[dict]) -> str:
-    head = ("| case | layout | measured | estimate | measured / estimate | within 20% | dominant term |\n"
-            "|---|---|---:|---:|---:|---|---|\n")
+    head = ("| case | layout | measured | estimate | measured / estimate | host speed vs profile | "
+            "at the profile's speed / estimate | within 20% | dominant term |\n"
+            "|---|---|---:|---:|---:|---:|---:|---|---|\n")
     return head + "\n".join(
         f"| {r['case']} | {r['layout']} | {_ms(r['measured_s'])} | {_ms(r['estimate_s'])} | "
-        f"{r['measured_vs_estimate']:.2f} | {'yes' if r['within_target'] else '**no**'} | {r['dominant']} |"
-        for r in rows) + "\n"
+        f"{r['measured_vs_estimate']:.2f} | {_num(r.get('host_speed'))} | "
+        f"{_num(r.get('at_profile_speed_vs_estimate'))} | {'yes' if r['within_target'] else '**no**'} | "
+        f"{r['dominant']} |" for r in rows) + "\n"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 # ---- the measured point of `plan --search-tp` ------------------------------------------------------

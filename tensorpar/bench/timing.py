@@ -19,8 +19,9 @@ def timed(fn, group=None) -> float:
     return float(elapsed.item())
 
 
-def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> dict:
-    """Run every variant once per round, ``repeats`` rounds; returns the per-variant samples.
+def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None, before=None) -> dict:
+    """Run every variant once per round, ``repeats`` rounds; returns the per-variant samples;
+    ``before(name)``, where given, runs before each sample, outside its time.
 
     Interleaving puts each variant under the same background load, so their ratio is fair even
     when the machine's speed drifts between rounds. The order rotates by one each round and runs
@@ -34,6 +35,8 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None) -> di
     samples = {name: [] for name in names}
     for i in range(repeats):
         for name in round_order(names, i):
+            if before is not None:
+                before(name)
             samples[name].append(timed(variants[name], group))
     return samples
 

@@ -28,8 +28,9 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   overlaps it (:class:`Runtime`): then only what exceeds the backward, and at least the last
   bucket, shows. FSDP and ZeRO also copy each gathered or reduced buffer in and out (read and
   written twice).
-- **pipeline bubble** (``bubble_s``): the schedule's idle share (:mod:`.schedules`) of the
-  busiest rank's busy time: ``busy * f / (1 - f)``.
+- **pipeline bubble** (``bubble_s``): the time a rank waits while the other stages fill and
+  drain the pipeline: ``f / (1 - f)`` (``f`` the schedule's idle share, :mod:`.schedules`) of
+  ``m`` microbatches of the other stages' work; equal stages: ``busy * f / (1 - f)``.
 - **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times the bytes
   the optimizer moves per parameter (:class:`Runtime`), over the memory bandwidth.
 
@@ -203,6 +204,45 @@ def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
     return out
 
 
+def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Profile, runtime: Runtime):
+    """One microbatch's forward and backward work through ``stage`` on its busiest tp rank:
+    ``(terms, seconds, tp rank)``."""
+    best = None
+    kw = dict(batch=layout.micro_batch, seq=seq, keys=float(seq), e=layout.bytes_per_elem, dtype=layout.dtype,
+              profile=profile, runtime=runtime)
+    for rank in range(split.tp):
+        fwd = forward_terms(split, stage, rank, **kw)
+        work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
+        if layout.recompute == "full":
+            again = forward_terms(split, _body(split, stage), rank, **kw)
+            work = {k: work[k] + again[k] for k in work}
+        elif layout.recompute == "selective":
+            work["attention_s"] += fwd["attention_s"]
+        total = sum(work.values())
+        if best is None or total > best[1]:
+            best = (work, total, rank)
+    return best
+
+
+def _bubble(split: SplitModel, st: Stages, layout, seq: int, profile: Profile, runtime: Runtime, pp_rank: int,
+            f: float, engine) -> float:
+    """Seconds pipeline rank ``pp_rank`` waits in the schedule: ``f / (1 - f)`` of ``m`` microbatches
+    of the *other* stages' work (with their fixed costs). A rank waits while the others fill and
+    drain the pipeline, so with stages of unequal work (the head on the last) the busiest one
+    waits for the lighter ones: for GPipe and 1F1B, ``f / (1 - f) = (p - 1) / m`` and this is the
+    sum over the other stages of one microbatch's work (Narayanan et al. 2021, Sec. 2.2, with
+    ``t`` per stage); with equal stages it is ``f / (1 - f)`` of the rank's own busy time."""
+    m, others = layout.num_micro_batches, [s for s in range(layout.pp) if s != pp_rank]
+    if not others or f <= 0:
+        return 0.0
+    per = []
+    for s in others:
+        stage = _rank_stages(split, st, s, layout.pp, layout.virtual_stages, layout.schedule)
+        per.append(_micro_work(split, stage, layout, seq, profile, runtime)[1]
+                   + stage.blocks * profile.block_s("train", split.tp, engine))
+    return f / (1.0 - f) * m * sum(per) / len(per)
+
+
 def _largest_dp_payload(items) -> float:
     return max((it.payload_bytes for it in items if it.group in ("dp", "embedding")), default=0.0)
 
@@ -214,32 +254,18 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
     """Seconds of one optimizer step on the busiest tp rank of pipeline rank ``pp_rank``, term by
     term (``items``: that rank's collectives of the step, :func:`.traffic.rank_step`)."""
     runtime = runtime or default_runtime(profile)
-    e, b, m = layout.bytes_per_elem, layout.micro_batch, layout.num_micro_batches
+    e, m = layout.bytes_per_elem, layout.num_micro_batches
     stage = _rank_stages(split, st, pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
-    best = None
-    for rank in range(split.tp):
-        kw = dict(batch=b, seq=seq, keys=float(seq), e=e, dtype=layout.dtype, profile=profile, runtime=runtime)
-        fwd = forward_terms(split, stage, rank, **kw)
-        work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
-        if layout.recompute == "full":
-            again = forward_terms(split, _body(split, stage), rank, **kw)
-            work = {k: work[k] + again[k] for k in work}
-        elif layout.recompute == "selective":
-            work["attention_s"] += fwd["attention_s"]
-        total = sum(work.values())
-        if best is None or total > best[1]:
-            best = (work, total, rank)
-    work, per_micro, rank = best
+    work, per_micro, rank = _micro_work(split, stage, layout, seq, profile, runtime)
     terms = {k: m * v for k, v in work.items()}
     engine = ("fsdp" if layout.zero_stage == 3 else "ddp") if layout.dp > 1 else None
     calls = m * (stage.blocks * profile.block_s("train", split.tp, engine) + profile.step_s("train", split.tp, engine))
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - m * per_micro)
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
-    busy = sum(terms.values())
     f = bubble_fraction(layout.schedule, pp=layout.pp, microbatches=m, virtual=layout.virtual_stages) \
         if layout.pp > 1 else 0.0
-    terms["bubble_s"] = busy * f / (1.0 - f) if f < 1 else 0.0
+    terms["bubble_s"] = _bubble(split, st, layout, seq, profile, runtime, pp_rank, f, engine) if f < 1 else 0.0
     dp = comm["dp"] + _sharded_copies(items, profile)
     if runtime.dp_overlap and dp > 0:
         backward = 2.0 / 3.0 * m * per_micro

@@ -19,7 +19,7 @@ from tensorpar.architecture.split_model import SplitModel
 
 from . import split_flops, split_memory
 from .collectives import link_transfer_time
-from .comm import CommItem, bytes_sent
+from .comm import bytes_sent
 from . import estimate as est
 from .profile import Profile, published, with_latency
 from .feasibility import fixes, memory_reasons, placement_warnings, sequence_reasons
@@ -30,7 +30,7 @@ from .schedules import check_schedule
 from .source import ModelSource, source_of
 from tensorpar.architecture.pipeline import stages_of_rank
 
-from .stages import Stages, blocks, held, layers_of, params_per_stage, stages, why_not
+from .stages import Stages, blocks, layers_of, params_per_stage, stages, why_not
 from .timing import (comm_time_lower_bound, compute_time_lower_bound, decode_bytes_read_per_device,
                      memory_time_lower_bound, steps_per_s_upper_bound)
 from .traffic import decode_items, prefill_items, rank_step
@@ -314,7 +314,7 @@ def _busiest(fn, tp: int) -> float:
 
 
 def _fill_inference(report: PlanReport, c: _Ctx, kv_link, kv_tokens) -> None:
-    split, lay, e, b = c.split, c.layout, c.layout.bytes_per_elem, c.layout.micro_batch
+    split, lay, b = c.split, c.layout, c.layout.micro_batch
     report.inference_flops = {"decode_step": split_flops.decode_flops_per_token(split, b, c.seq) if split.causal else None,
                               "prefill_micro_batch": split_flops.prefill_flops(split, b, c.seq),
                               "prefill_global_batch": split_flops.prefill_flops(split, lay.global_batch, c.seq)}
