@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from tensorpar.cli import main
-from tensorpar.cli.plan import sweep_title, why_not
+from tensorpar.cli.plan import sweep_title
+from tensorpar.cli.plan_render import why_not
 
 REQUIRED = ("params", "params_per_device", "flops_per_iteration", "hardware_flops_per_iteration",
             "activation_bytes_per_layer", "kv_cache_bytes_per_token", "memory_per_device", "comm",

@@ -13,7 +13,8 @@ from tensorpar import distributed as dist
 from tensorpar.jobs.serve import cache_bytes
 from tensorpar.jobs.serve_job import Job
 from tensorpar.jobs.serve_scheduler import QueueFull, Scheduler
-from tensorpar.models.engine import Draw, Engine, Plan, PlanWire, Row, _Layout
+from tensorpar.models.engine import Engine, _Layout
+from tensorpar.models.engine_plan import Draw, Plan, PlanWire, Row
 from tensorpar.models.sampling import Sampler
 from tensorpar.models.tiny import make_tiny_model
 from tests import _serve_workers as W

@@ -2,7 +2,7 @@
 
 Every rank loads its shard (``load_sharded``) and runs the engine loop; rank 0 also runs the HTTP
 server (uvicorn, in a thread of its own) and the scheduler: each step it sends the plan to the
-other ranks (:class:`~tensorpar.models.engine.PlanWire`), every rank runs it, and rank 0 hands
+other ranks (:class:`~tensorpar.models.engine_plan.PlanWire`), every rank runs it, and rank 0 hands
 the tokens to the requests' handlers. Idle, rank 0 still sends an empty plan every
 :data:`IDLE_S` seconds, so no rank waits in a collective long enough to look stuck, and a rank
 that died is found within that time (the launcher ends the whole job, naming it).
@@ -39,7 +39,8 @@ from tensorpar.jobs.common import DTYPES, check_tp, is_decoder, max_positions, o
 from tensorpar.jobs.serve_api import ServeState, make_app
 from tensorpar.jobs.serve_scheduler import Scheduler
 from tensorpar.models.checkpoint import load_sharded
-from tensorpar.models.engine import Engine, Plan, PlanWire
+from tensorpar.models.engine import Engine
+from tensorpar.models.engine_plan import Plan, PlanWire
 
 IDLE_S = 0.5
 START_S = 120.0  # the HTTP server's start (binding, the app) on rank 0, bounded

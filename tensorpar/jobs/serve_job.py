@@ -4,7 +4,7 @@ events for the HTTP handler that waits on them.
 The engine loop calls :meth:`Job.deliver` after each step that drew the request's tokens; the
 job decides which choices have finished (a stop token, a stop string, ``max_tokens``) and emits
 events for the handler's asyncio queue from the engine's thread (through the server's outbox,
-handed to the event loop once a step: :class:`tensorpar.jobs.serve_api.Outbox`):
+handed to the event loop once a step: :class:`Outbox`):
 ``("delta", choice, text, token_ids, logprobs)``, ``("finish", choice, reason)``; ``logprobs``
 is None unless the request asked for them, else one :class:`Logprob` per token of ``token_ids``. Text is the tokenizer's
 decoding of every token so far, sent as it grows; the tail that could still become a stop string
@@ -13,6 +13,7 @@ choice with the text before it (OpenAI's rule).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -135,3 +136,31 @@ def _held(text: str, stops: tuple) -> int:
                 hold = max(hold, k)
                 break
     return hold
+
+
+class Outbox:
+    """Events from the engine's thread to the handlers' event loop, handed over once a step: one
+    wake-up of the loop a step (:meth:`flush`), not one a token of each stream."""
+
+    def __init__(self):
+        self._pending: list = []
+        self._lock = threading.Lock()
+
+    def post(self, loop, queue, event) -> None:
+        with self._lock:
+            self._pending.append((loop, queue, event))
+
+    def flush(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for loop in {id(loop): loop for loop, _, _ in batch}.values():
+            mine = [(q, e) for lp, q, e in batch if lp is loop]
+            try:
+                loop.call_soon_threadsafe(_hand_over, mine)
+            except RuntimeError:  # the loop has closed: the server is gone, nobody listens
+                pass
+
+
+def _hand_over(batch: list) -> None:
+    for queue, event in batch:
+        queue.put_nowait(event)

@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from tensorpar.models.engine import Draw, Plan, Row
+from tensorpar.models.engine_plan import Draw, Plan, Row
 
 
 class QueueFull(Exception):
