@@ -344,3 +344,19 @@ def test_calibrate_bad_arguments(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "p.json")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_profile_without_measured_gemms_has_no_host_speed_and_is_judged_raw():
+    """A preset's profile (public figures, no measured points): no probe, nothing to read the
+    samples at, the raw ratio judged; a measured one reads each sample at the profile's speed."""
+    from tensorpar.bench.estimates import HostSpeed, _known, judged
+    from tensorpar.planner.profile import published
+
+    speed = HostSpeed(published("h100-sxm"))
+    assert not speed.usable and speed() is None
+    speeds = {"tp2": [speed(), speed()]}
+    assert _known(speeds, "tp2") is None and _known({}, "tp2") is None
+    row = judged(1.5, {"estimate_s": 1.0}, _known(speeds, "tp2"), [1.5, 1.5])
+    assert row["measured_vs_estimate"] == 1.5 and not row["within_target"] and "host_speed" not in row
+    row = judged(1.5, {"estimate_s": 1.0}, _known({"a/1": [0.5, 1.0], "a/n": [0.7, 1.0]}, "a/1", "a/n"), [2.0, 1.0])
+    assert row["speeds"] == pytest.approx([0.6, 1.0]) and row["at_profile_speed_vs_estimate"] == pytest.approx(1.1)

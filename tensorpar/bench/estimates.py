@@ -181,15 +181,15 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
-                     **judged(statistics.median(samples[name]), guess, _known(speeds, name)[-repeats:],
-                              samples[name])})
+                     **judged(statistics.median(samples[name]), guess, _known(speeds, name), samples[name])})
     del cases
     rows += _inference_rows(path, profile, repeats, new, dense.config.vocab_size, speed)
     return {"rows": rows, "profile": profile.to_dict()}
 
 
 def _known(speeds: dict, *names) -> list | None:
-    """Per round, the mean host speed before the samples of ``names`` (None: not measured)."""
+    """Per round, the mean host speed before the samples of ``names`` (None: not measured, a
+    profile without measured GEMMs)."""
     rows = list(zip(*(speeds.get(n) or [] for n in names)))
     if not rows or any(f is None for r in rows for f in r):
         return None
@@ -232,7 +232,7 @@ def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int, 
                      f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
                      f"{'lean' if engine == 'auto' else 'HF'} forward",
                      "samples_s": samples[name],
-                     **judged(statistics.median(samples[name]), guess, known and known[-repeats:], samples[name])})
+                     **judged(statistics.median(samples[name]), guess, known, samples[name])})
     return rows
 
 

@@ -224,23 +224,39 @@ def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Pro
     return best
 
 
-def _bubble(split: SplitModel, st: Stages, layout, seq: int, profile: Profile, runtime: Runtime, pp_rank: int,
-            f: float, engine) -> float:
+def stage_micro_seconds(split: SplitModel, st: Stages, layout, seq: int, profile: Profile,
+                        runtime: Runtime | None = None) -> list[float]:
+    """Per pipeline rank, one microbatch's forward and backward through its stages (busiest tp
+    rank) with their blocks' fixed costs: what the others wait for while it fills and drains the
+    pipeline (:func:`training_step`'s bubble). Computed once per layout, shared by every rank's
+    step."""
+    runtime = runtime or default_runtime(profile)
+    engine = _dp_engine(layout)
+    out = []
+    for s in range(layout.pp):
+        stage = _rank_stages(split, st, s, layout.pp, layout.virtual_stages, layout.schedule)
+        out.append(_micro_work(split, stage, layout, seq, profile, runtime)[1]
+                   + stage.blocks * profile.block_s("train", split.tp, engine))
+    return out
+
+
+def _dp_engine(layout) -> str | None:
+    """The data-parallel engine whose fixed costs a training step pays (the profile's key)."""
+    return ("fsdp" if layout.zero_stage == 3 else "ddp") if layout.dp > 1 else None
+
+
+def _bubble(stage_seconds: list, pp_rank: int, m: int, f: float) -> float:
     """Seconds pipeline rank ``pp_rank`` waits in the schedule: ``f / (1 - f)`` of ``m`` microbatches
-    of the *other* stages' work (with their fixed costs). A rank waits while the others fill and
-    drain the pipeline, so with stages of unequal work (the head on the last) the busiest one
-    waits for the lighter ones: for GPipe and 1F1B, ``f / (1 - f) = (p - 1) / m`` and this is the
-    sum over the other stages of one microbatch's work (Narayanan et al. 2021, Sec. 2.2, with
-    ``t`` per stage); with equal stages it is ``f / (1 - f)`` of the rank's own busy time."""
-    m, others = layout.num_micro_batches, [s for s in range(layout.pp) if s != pp_rank]
+    of the *other* stages' work (``stage_seconds``: :func:`stage_micro_seconds`). A rank waits
+    while the others fill and drain the pipeline, so with stages of unequal work (the head on the
+    last) the busiest one waits for the lighter ones: for GPipe and 1F1B, ``f / (1 - f) = (p - 1)
+    / m`` and this is the sum over the other stages of one microbatch's work (Narayanan et al.
+    2021, Sec. 2.2, with ``t`` per stage); with equal stages, ``f / (1 - f)`` of the rank's own
+    work."""
+    others = [t for s, t in enumerate(stage_seconds) if s != pp_rank]
     if not others or f <= 0:
         return 0.0
-    per = []
-    for s in others:
-        stage = _rank_stages(split, st, s, layout.pp, layout.virtual_stages, layout.schedule)
-        per.append(_micro_work(split, stage, layout, seq, profile, runtime)[1]
-                   + stage.blocks * profile.block_s("train", split.tp, engine))
-    return f / (1.0 - f) * m * sum(per) / len(per)
+    return f / (1.0 - f) * m * sum(others) / len(others)
 
 
 def _largest_dp_payload(items) -> float:
@@ -250,22 +266,28 @@ def _largest_dp_payload(items) -> float:
 # ---- a training step -----------------------------------------------------------------------------
 
 def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, placement: dict,
-                  profile: Profile, runtime: Runtime | None = None, pp_rank: int = 0) -> dict:
+                  profile: Profile, runtime: Runtime | None = None, pp_rank: int = 0,
+                  stage_seconds: list | None = None) -> dict:
     """Seconds of one optimizer step on the busiest tp rank of pipeline rank ``pp_rank``, term by
-    term (``items``: that rank's collectives of the step, :func:`.traffic.rank_step`)."""
+    term (``items``: that rank's collectives of the step, :func:`.traffic.rank_step`;
+    ``stage_seconds``: :func:`stage_micro_seconds` of the layout, computed here when not given)."""
     runtime = runtime or default_runtime(profile)
     e, m = layout.bytes_per_elem, layout.num_micro_batches
     stage = _rank_stages(split, st, pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     work, per_micro, rank = _micro_work(split, stage, layout, seq, profile, runtime)
     terms = {k: m * v for k, v in work.items()}
-    engine = ("fsdp" if layout.zero_stage == 3 else "ddp") if layout.dp > 1 else None
+    engine = _dp_engine(layout)
     calls = m * (stage.blocks * profile.block_s("train", split.tp, engine) + profile.step_s("train", split.tp, engine))
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - m * per_micro)
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
     f = bubble_fraction(layout.schedule, pp=layout.pp, microbatches=m, virtual=layout.virtual_stages) \
         if layout.pp > 1 else 0.0
-    terms["bubble_s"] = _bubble(split, st, layout, seq, profile, runtime, pp_rank, f, engine) if f < 1 else 0.0
+    if layout.pp > 1 and f < 1:
+        stage_seconds = stage_seconds or stage_micro_seconds(split, st, layout, seq, profile, runtime)
+        terms["bubble_s"] = _bubble(stage_seconds, pp_rank, m, f)
+    else:
+        terms["bubble_s"] = 0.0
     dp = comm["dp"] + _sharded_copies(items, profile)
     if runtime.dp_overlap and dp > 0:
         backward = 2.0 / 3.0 * m * per_micro

@@ -288,7 +288,10 @@ def _fill_step(report: PlanReport, c: _Ctx) -> None:
     report.comm_time_lower_bound_s = comm
     report.comm_time_lower_bound_by_link = bounds[worst]
     report.step_time_lower_bound_s = max(compute, comm)
-    steps = {s: est.training_step(c.split, c.st, lay, c.seq, items_, c.placement, c.profile, c.runtime, pp_rank=s)
+    stage_s = est.stage_micro_seconds(c.split, c.st, lay, c.seq, c.profile, c.runtime) \
+        if lay.workload == "train" and lay.pp > 1 else None
+    steps = {s: est.training_step(c.split, c.st, lay, c.seq, items_, c.placement, c.profile, c.runtime, pp_rank=s,
+                                  stage_seconds=stage_s)
              for s, (items_, _) in per_stage.items()} if lay.workload == "train" else {}
     step = max(steps.values(), key=lambda x: x["seconds"]) if steps else est.prefill(
         c.split, _whole_batch(lay), c.seq, prefill_items(c.split, c.st, _whole_batch(lay), c.seq), c.placement,
