@@ -1,4 +1,5 @@
 """The benchmark harness runs and reports what it claims (timings themselves are not tested)."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -315,6 +316,32 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     assert by["tp2"]["terms"]["tp_comm_s"] > 0 and by["dp2_ddp"]["terms"]["dp_comm_s"] > 0
     assert by["decode_gloo_b1"]["terms"]["tp_comm_s"] != by["decode_b1"]["terms"]["tp_comm_s"]  # each its link
     assert "| tp2 |" in estimates_table(rows)
+    # the wait for the slower rank, measured over both transports, priced at tp's collectives only
+    assert set(profile.collective_wait) == {"shm", "gloo"}
+    for w in profile.collective_wait.values():
+        assert len(w["points"]) == 2 and all(seg > 0 and wait >= 0 for seg, wait in w["points"])
+    assert all(by[c]["terms"]["tp_wait_s"] == 0 for c in ("dp2_ddp", "dp2_fsdp", "pp2"))
+
+
+def test_the_wait_at_a_collective_is_what_calibrate_measured_less_its_latency():
+    """collective_wait: each point's loop time with the collective, less the work and the link's
+    fitted alpha (never below 0), by transport; the profile interpolates it by the work's length."""
+    from tensorpar.bench.calibrate import collective_wait
+    from tensorpar.planner.profile import Link, published
+
+    links = {tr: Link(tr, {"all_reduce": {"2": {"alpha_s": a, "beta_s_per_byte": 0.0}}})
+             for tr, a in (("shm", 20e-6), ("gloo", 500e-6))}
+    got = collective_wait({"shm": [[1e-3, 1.07e-3], [1e-4, 1.3e-4]], "gloo": [[1e-4, 4e-4]]}, links, 2)
+    assert got["shm"]["points"] == [[1e-4, pytest.approx(10e-6)], [1e-3, pytest.approx(50e-6)]]
+    assert got["gloo"]["points"] == [[1e-4, 0.0]] and got["shm"]["ranks"] == 2
+    p = dataclasses.replace(published("h200"), collective_wait=got, intra_link="shm", inter_link="gloo",
+                            links=links)
+    assert p.wait_s(5.5e-4) == pytest.approx(30e-6)  # linear between the points
+    assert p.wait_s(5e-5) == pytest.approx(5e-6)  # proportional below the shortest
+    assert p.wait_s(1.0) == pytest.approx(50e-6)  # the longest's above it
+    assert p.wait_s(1e-3, "gloo") == 0.0 and p.wait_s(1e-3, "nccl") == 0.0 and p.wait_s(0.0) == 0.0
+    with pytest.raises(ValueError, match="collective_wait must be"):
+        dataclasses.replace(p, collective_wait={"shm": {"points": [[0.0, 1e-6]]}})
 
 
 def test_calibrate_fits_recover_known_figures():

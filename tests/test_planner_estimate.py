@@ -150,6 +150,33 @@ def test_terms_sum_to_the_estimate_and_the_bubble_is_the_other_stages_filling_th
     assert e["tokens_per_s"] == pytest.approx(8 * 128 / e["step_time_s"])
 
 
+def test_the_wait_for_the_slower_rank_is_paid_at_each_tp_collective():
+    """tp_wait_s: every tensor-parallel collective of the step waits the profile's wait for its
+    share of the work; none at tp 1, none on a GPU (its kernels queue), none at dp's collectives."""
+    base = published("h200")
+    waits = {base.intra_link: {"ranks": 2, "points": [[1e-4, 1e-5], [1e-2, 1e-4]]}}
+    host = dataclasses.replace(base, synchronous=True, collective_wait=waits)
+    spec = get_model("megatron-1.2b")
+
+    def run(profile, **kw):
+        r = plan(spec, Layout(micro_batch=1, dtype="bf16", workload="inference", **kw), profile.hardware,
+                 profile=profile, seq=64)
+        return r.estimates["decode"]
+    two = run(host, tp=2)
+    t = two["terms"]
+    split = source_of(spec).at(2)
+    from tensorpar.planner.traffic import decode_items
+    calls = sum(it.count for it in decode_items(split, Layout(tp=2, micro_batch=1, dtype="bf16", workload="inference")))
+    work = sum(t[k] for k in ("gemm_s", "attention_s", "elementwise_s", "fixed_s"))
+    assert calls > 0 and t["tp_wait_s"] == pytest.approx(calls * host.wait_s(work / calls))
+    assert two["seconds"] == pytest.approx(sum(t.values()))
+    assert run(host, tp=1)["terms"]["tp_wait_s"] == 0
+    assert run(dataclasses.replace(host, synchronous=False), tp=2)["terms"]["tp_wait_s"] == 0
+    assert run(base, tp=2)["terms"]["tp_wait_s"] == 0  # not measured: nothing
+    train = plan(spec, Layout(dp=2, micro_batch=1, dtype="bf16"), host.hardware, profile=host, seq=64)
+    assert train.estimates["step"]["terms"]["tp_wait_s"] == 0 < train.estimates["step"]["terms"]["dp_comm_s"]
+
+
 def test_dp_overlap_hides_all_but_the_last_bucket():
     m = get_model("megatron-1.2b")
     lay = Layout(dp=8, micro_batch=4, dtype="bf16")

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
+from tensorpar.distributed import collectives
 from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.models.generation import generate
@@ -249,6 +250,54 @@ def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
     return out
 
 
+# ---- the wait for the slower rank ------------------------------------------------------------------
+
+WAIT_SHAPE, WAIT_M = (1408, 512), (1, 8, 64, 512)  # one weight of the grid, segments of ~0.1 to ~10 ms
+
+
+def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M) -> list:
+    """``[[segment_s, with_collective_s]]``: every rank of the world runs a GEMM (``m`` rows of
+    ``WAIT_SHAPE``, cold weights, as :func:`gemm_points`) then an 8-byte all-reduce over
+    ``transport``, back to back, and the same GEMMs without the all-reduce; the slowest rank's
+    time of the GEMM alone (``segment_s``) and the loop's time per GEMM with it. The loop with the
+    collective runs at the pace of whichever rank is slower at each call, so it costs more than
+    the slowest rank's median and the collective's own latency: the wait for the slower rank,
+    which grows with the noise of the work between two collectives (:func:`build_profile`)."""
+    group = dist.new_group(list(range(dist.get_world_size())), backend=transport)
+    n, k = WAIT_SHAPE
+    copies = max(1, COLD_BYTES // (n * k * 4))
+    weights = [torch.randn(n, k, device=device) for _ in range(copies)]
+    flag = torch.zeros(2, device=device)
+    out = []
+    for m in m_sizes:
+        x, turn = torch.randn(m, k, device=device), iter(range(1 << 62))
+        gemm = lambda: F.linear(x, weights[next(turn) % copies])  # noqa: E731
+
+        def synced():
+            gemm()
+            collectives.all_reduce(flag, group)
+        synced()
+        t0 = time.perf_counter()
+        gemm()
+        first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(first, op="max")
+        calls = max(4, min(400, int(0.02 / max(first.item(), 1e-6))))  # about 20 ms a sample
+        rounds = 2 * repeats + 1  # paired: each round's two loops ran within ~40 ms of each other
+        times = torch.zeros(2, rounds, dtype=torch.float64)
+        for i in range(rounds):
+            for j, fn in enumerate((gemm, synced)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                _sync(device)
+                times[j, i] = (time.perf_counter() - t0) / calls
+        dist.all_reduce(times, op="max")  # the slowest rank's work alone; the loop with the collective
+        seg = statistics.median(times[0].tolist())
+        out.append([seg, seg + statistics.median((times[1] - times[0]).tolist())])
+    return out
+
+
 # ---- the job --------------------------------------------------------------------------------------
 
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
@@ -267,6 +316,9 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
             "blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     mine["links"] = link_points(dist.get_world_size(), payloads, repeats, device)
+    if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
+        mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
+                        for tr in ("shm", "gloo")}
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
 
@@ -287,7 +339,7 @@ def _slowest(per_rank: list) -> dict:
                            for i, (n, _) in enumerate(pts)] for p, pts in first["links"][tr][op].items()}
                   for op in first["links"][tr]} for tr in first["links"]}
     return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
-            "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
+            "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
 
 
 def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
@@ -306,6 +358,20 @@ def _args(kw: dict) -> tuple:
 
 
 WIDTH = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
+
+
+def collective_wait(points: dict | None, links: dict, ranks: int) -> dict:
+    """``{transport: {"ranks", "points": [[segment_s, wait_s]], "measured"}}``: the wait at a
+    collective for the slower rank (and for a blocked rank to wake) by the length of the work
+    before it: :func:`wait_points`' loop with the collective, less the slowest rank's work and
+    the collective's fitted latency ``alpha`` (what the estimate does not count otherwise), at
+    least 0; empty where not measured."""
+    out = {}
+    for tr, pts in (points or {}).items():
+        alpha = links[tr].ops["all_reduce"][str(ranks)]["alpha_s"]
+        out[tr] = {"ranks": ranks, "points": [[seg, max(0.0, both - seg - alpha)] for seg, both in sorted(pts)],
+                   "measured": [[seg, both] for seg, both in sorted(pts)]}
+    return out
 
 
 def _bandwidth(link: Link) -> float:
@@ -342,6 +408,7 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
     return Profile(name=hardware.name, device=m.get("device", "cpu"), hardware=hardware, gemm=gemm,
                    memory_bytes_per_s=m["memory"], block_call_s=block, step_call_s=step, links=links,
                    intra_link=intra, inter_link=inter, synchronous=not gpu, source="tensorpar calibrate",
+                   collective_wait=collective_wait(m.get("wait"), links, ranks),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

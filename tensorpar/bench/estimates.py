@@ -15,14 +15,17 @@ rank, float32, the ~25M Llama (``BENCH_LLAMA``):
 - prefill (``generate`` of one token: the prompt's forward and the first token): tp 2 at batch 1
   and 8, prompt ``PROMPT``.
 
-Cases run in interleaved rounds (:func:`~tensorpar.bench.timing.interleaved`), each time taken on
-the slowest rank; the figure is the median over rounds (a decode step's: of each round's
+The training cases run one after another, each model alone in the process as in a training job
+(:func:`_train_samples`); the inference cases in interleaved rounds
+(:func:`~tensorpar.bench.timing.interleaved`). Each time is taken on the slowest rank, after a
+probe of the host's speed (:class:`HostSpeed`); the figure is the median over rounds (a decode step's: of each round's
 ``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
 """
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import tempfile
 import time
@@ -134,22 +137,40 @@ def _probed(speed: HostSpeed) -> tuple[dict, object]:
 # ---- the runs ----------------------------------------------------------------------------------
 
 def _train_cases(dense, ids) -> dict:
-    """``{case: (layout, step)}``."""
+    """``{case: (layout, build)}``: ``build()`` makes the case's model and optimizer and returns its
+    step (a fresh copy of ``dense`` each)."""
     half = ids[dist.get_rank() * (len(ids) // 2):(dist.get_rank() + 1) * (len(ids) // 2)]
     b, s = ids.shape
-    out = {}
 
-    def add(name, model, batch, layout):
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        out[name] = (layout, lambda: train_step(model, opt, batch, max_norm=MAX_NORM))
-    add("tp2", parallelize(copy.deepcopy(dense)).train(), ids, Layout(tp=2, micro_batch=b, dtype="fp32"))
-    add("dp2_ddp", parallelize(copy.deepcopy(dense), mesh=init_mesh(2, 1), data_parallel="ddp").train(), half,
-        Layout(dp=2, micro_batch=b // 2, dtype="fp32"))
-    add("dp2_fsdp", parallelize(copy.deepcopy(dense), mesh=init_mesh(2, 1), data_parallel="fsdp").train(), half,
-        Layout(dp=2, micro_batch=b // 2, dtype="fp32", zero_stage=3))
-    add("pp2", parallelize(copy.deepcopy(dense), mesh=init_mesh(1, 1, pp=2), pipeline="1F1B",
-                           microbatches=MICROBATCHES).train(), ids,
-        Layout(pp=2, micro_batch=b // MICROBATCHES, global_batch=b, dtype="fp32", schedule="1F1B"))
+    def case(batch, **how):
+        def build():
+            model = parallelize(copy.deepcopy(dense), **how).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            return lambda: train_step(model, opt, batch, max_norm=MAX_NORM)
+        return build
+    return {
+        "tp2": (Layout(tp=2, micro_batch=b, dtype="fp32"), case(ids)),
+        "dp2_ddp": (Layout(dp=2, micro_batch=b // 2, dtype="fp32"),
+                    case(half, mesh=init_mesh(2, 1), data_parallel="ddp")),
+        "dp2_fsdp": (Layout(dp=2, micro_batch=b // 2, dtype="fp32", zero_stage=3),
+                     case(half, mesh=init_mesh(2, 1), data_parallel="fsdp")),
+        "pp2": (Layout(pp=2, micro_batch=b // MICROBATCHES, global_batch=b, dtype="fp32", schedule="1F1B"),
+                case(ids, mesh=init_mesh(1, 1, pp=2), pipeline="1F1B", microbatches=MICROBATCHES))}
+
+
+def _train_samples(cases: dict, repeats: int, before) -> dict:
+    """Each training case's samples, one case at a time: its model built, ``repeats`` steps timed
+    after two of warm-up, then freed, as a training job runs one model. Interleaved with the
+    others, a step would run after other models' steps had freed (and the C allocator returned
+    to the system) the memory it reuses: FSDP's per-step buffers then come back as fresh pages,
+    85 MB of page faults a step and about 1.35x its step time on this VM, a cost of the suite
+    and not of FSDP (measured: docs/benchmarks.md)."""
+    out = {}
+    for name, (_, build) in cases.items():
+        step = build()
+        out[name] = interleaved({name: step}, repeats, warmup=2, before=before)[name]
+        del step
+        gc.collect()
     return out
 
 
@@ -177,7 +198,7 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     cases = _train_cases(dense, ids)
     speed = HostSpeed(profile)
     speeds, before = _probed(speed)
-    samples = interleaved({name: step for name, (_, step) in cases.items()}, repeats, warmup=2, before=before)
+    samples = _train_samples(cases, repeats, before)
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],

@@ -183,7 +183,8 @@ def _dominant(part: dict | None) -> str:
     if not part or not part.get("dominant"):
         return ""
     names = {"gemm_s": "matmuls", "attention_s": "attention", "elementwise_s": "elementwise", "fixed_s": "fixed costs",
-             "tp_comm_s": "tp collectives", "pp_comm_s": "pipeline sends", "dp_comm_s": "dp collectives",
+             "tp_comm_s": "tp collectives", "tp_wait_s": "wait for the slower rank", "pp_comm_s": "pipeline sends",
+             "dp_comm_s": "dp collectives",
              "bubble_s": "pipeline bubble", "optimizer_s": "optimizer"}
     k = part["dominant"]
     return f"{names.get(k, k)} {part['terms'][k] / part['seconds']:.0%}"

@@ -28,6 +28,11 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   overlaps it (:class:`Runtime`): then only what exceeds the backward, and at least the last
   bucket, shows. FSDP and ZeRO also copy each gathered or reduced buffer in and out (read and
   written twice).
+- **the wait for the slower rank** (``tp_wait_s``): ranks meet at every tensor-parallel
+  collective, so each call runs at the pace of whichever rank was slower since the last; on a
+  noisy host that costs more than the slowest rank's median work. Each call, after an equal share
+  of the rank's work, waits the profile's measured wait for work of that length
+  (:meth:`.Profile.wait_s`, ``calibrate``'s GEMM-then-all-reduce loop); only on a synchronous host.
 - **pipeline bubble** (``bubble_s``): the time a rank waits while the other stages fill and
   drain the pipeline: ``f / (1 - f)`` (``f`` the schedule's idle share, :mod:`.schedules`) of
   ``m`` microbatches of the other stages' work; equal stages: ``busy * f / (1 - f)``.
@@ -35,7 +40,9 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   the optimizer moves per parameter (:class:`Runtime`), over the memory bandwidth.
 
 Known limits (docs/planner.md): one block's fixed cost is measured on one architecture (Llama);
-load imbalance between ranks, stragglers and a noisy host are not modelled; a GPU profile from
+the wait for a slower rank is modelled at tensor-parallel collectives only (not at data-parallel
+ones or pipeline sends, where a whole step's or microbatch's noise averages out), and a host
+whose speed drifts after its calibration is not; a GPU profile from
 public figures has one GEMM efficiency for all large shapes.
 """
 from __future__ import annotations
@@ -204,6 +211,20 @@ def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
     return out
 
 
+def tp_wait_seconds(items, work_s: float, placement: dict, pp: int, profile: Profile) -> float:
+    """The wait at the tensor-parallel collectives for the slower rank: each of the ``items``'
+    synchronizing calls (all but pipeline sends and data-parallel ones) after an equal share of
+    ``work_s``, the rank's work between them, at the profile's measured wait for work of that
+    length over the call's link (:meth:`.Profile.wait_s`). Only on a synchronous host: a GPU's
+    kernels queue."""
+    tp = [it for it in items if it.group not in ("pp", "dp", "embedding") and it.op != "send"]
+    calls = sum(it.count for it in tp)
+    if not calls or not profile.synchronous or work_s <= 0:
+        return 0.0
+    segment = work_s / calls
+    return sum(it.count * profile.wait_s(segment, profile.link(on_one_node(it, placement, pp)[0]).name) for it in tp)
+
+
 def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Profile, runtime: Runtime):
     """One microbatch's forward and backward work through ``stage`` on its busiest tp rank:
     ``(terms, seconds, tp rank)``."""
@@ -281,6 +302,7 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - m * per_micro)
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    terms["tp_wait_s"] = tp_wait_seconds(items, m * per_micro + calls, placement, layout.pp, profile)
     f = bubble_fraction(layout.schedule, pp=layout.pp, microbatches=m, virtual=layout.virtual_stages) \
         if layout.pp > 1 else 0.0
     if layout.pp > 1 and f < 1:
@@ -370,6 +392,7 @@ def _inference(split: SplitModel, layout, items: list, placement: dict, profile:
     terms["fixed_s"] = calls if profile.synchronous else max(0.0, calls - sum(best.values()))
     comm = comm_seconds(items, placement, layout.pp, profile)
     terms["tp_comm_s"], terms["pp_comm_s"] = comm["tp"], comm["pp"]
+    terms["tp_wait_s"] = tp_wait_seconds(items, sum(best.values()) + calls, placement, layout.pp, profile)
     return terms
 
 

@@ -149,6 +149,8 @@ class Profile:
     source: str = ""
     step_call_s: dict = field(default_factory=dict)  # fixed cost per step by phase (embedding, head, loop)
     measured: dict = field(default_factory=dict)  # calibrate's context: ranks, threads, torch, time
+    # the wait at a collective for the slower rank, by link: {link: {"ranks", "points": [[segment_s, wait_s]]}}
+    collective_wait: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for dtype, g in self.gemm.items():
@@ -160,6 +162,12 @@ class Profile:
         missing = [p for p in PHASES if p not in self.block_call_s]
         if missing:
             raise ValueError(f"profile {self.name!r}: block_call_s lacks {', '.join(missing)}; needs {', '.join(PHASES)}")
+        waits = self.collective_wait if isinstance(self.collective_wait, dict) else None
+        if waits is None or not all(isinstance(w, dict) and w.get("points") and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in w["points"])
+                for w in waits.values()):
+            raise ValueError(f"profile {self.name!r}: collective_wait must be {{link: {{'points': [[segment_s > 0, "
+                             f"wait_s >= 0], ...]}}}}; got {self.collective_wait!r}")
         for which in (self.intra_link, self.inter_link):
             if which not in self.links:
                 raise ValueError(f"profile {self.name!r}: link {which!r} not among {', '.join(self.links) or 'none'}")
@@ -184,6 +192,24 @@ class Profile:
         """Fixed cost of one step in ``phase`` besides its blocks (embedding, head, loss, loop)."""
         return _at_batch(self.step_call_s, _key(self.step_call_s, phase, tp, dp_engine), batch)
 
+    def wait_s(self, segment_s: float, link: str | None = None) -> float:
+        """Seconds a collective over ``link`` (default: the intra-node one) waits for the slower
+        rank after ``segment_s`` of work on each (``collective_wait``, measured by calibrate):
+        linear between the measured segments, proportional below the shortest, the longest's
+        above it (past ~10 ms of work the ranks' noise averages out); 0 where not measured."""
+        pts = (self.collective_wait.get(link or self.intra_link) or {}).get("points") or []
+        if not pts or segment_s <= 0:
+            return 0.0
+        (s0, w0), (s1, w1) = pts[0], pts[-1]
+        if segment_s <= s0:
+            return w0 * segment_s / s0
+        if segment_s >= s1:
+            return w1
+        for (a, wa), (b, wb) in zip(pts, pts[1:]):
+            if a <= segment_s <= b:
+                return wa + (wb - wa) * (segment_s - a) / (b - a) if b > a else wb
+        return w1
+
     def link(self, local: bool) -> Link:
         return self.links[self.intra_link if local else self.inter_link]
 
@@ -194,7 +220,8 @@ class Profile:
                 "memory_bytes_per_s": self.memory_bytes_per_s, "block_call_s": dict(self.block_call_s),
                 "step_call_s": dict(self.step_call_s),
                 "links": {k: link.ops for k, link in self.links.items()},
-                "intra_link": self.intra_link, "inter_link": self.inter_link, "measured": dict(self.measured)}
+                "intra_link": self.intra_link, "inter_link": self.inter_link, "measured": dict(self.measured),
+                "collective_wait": dict(self.collective_wait)}
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -221,7 +248,8 @@ def from_dict(d: dict) -> Profile:
             block_call_s={k: float(v) for k, v in d["block_call_s"].items()},
             step_call_s={k: float(v) for k, v in d.get("step_call_s", {}).items()},
             links={k: Link(k, ops) for k, ops in d["links"].items()}, intra_link=d["intra_link"],
-            inter_link=d["inter_link"], synchronous=bool(d["synchronous"]), measured=dict(d.get("measured", {})))
+            inter_link=d["inter_link"], synchronous=bool(d["synchronous"]), measured=dict(d.get("measured", {})),
+            collective_wait=dict(d.get("collective_wait") or {}))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"hardware profile: missing or malformed field {exc}") from exc
 

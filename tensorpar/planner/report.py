@@ -300,7 +300,7 @@ def _fill_step(report: PlanReport, c: _Ctx) -> None:
     report.estimates = {
         "profile": c.profile.name, "runtime": c.runtime.name,
         "step_time_s": step["seconds"], "tokens_per_s": lay.global_batch * c.seq / step["seconds"],
-        "step": step, "comm_time_s": sum(terms.get(k, 0.0) for k in ("tp_comm_s", "pp_comm_s", "dp_comm_s")),
+        "step": step, "comm_time_s": sum(terms.get(k, 0.0) for k in ("tp_comm_s", "tp_wait_s", "pp_comm_s", "dp_comm_s")),
         "pipeline_bubble_fraction": step.get("bubble_fraction", 0.0),
         "decode_time_per_token_s": None, "decode_tokens_per_s": None, "decode": None,
         "prefill_time_s": None, "prefill": None,

@@ -18,7 +18,7 @@ from .source import source_of
 
 PAYS = 0.05  # a tp "pays" when its decode step is at least 5% faster than the previous valid tp's
 WORK = ("gemm_s", "attention_s", "elementwise_s", "fixed_s")
-COMM = ("tp_comm_s", "pp_comm_s")
+COMM = ("tp_comm_s", "tp_wait_s", "pp_comm_s")  # what each added rank costs: its calls and their waits
 
 
 @dataclass
