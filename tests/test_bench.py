@@ -321,6 +321,7 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     for w in profile.collective_wait.values():
         assert len(w["points"]) == 2 and all(seg > 0 and wait >= 0 for seg, wait in w["points"])
     assert all(by[c]["terms"]["tp_wait_s"] == 0 for c in ("dp2_ddp", "dp2_fsdp", "pp2"))
+    assert 1e-11 < profile.optimizer_s_per_param < 1e-6  # measured: seconds per parameter of a step
 
 
 def test_the_wait_at_a_collective_is_what_calibrate_measured_less_its_latency():

@@ -239,6 +239,16 @@ def test_the_optimizer_moves_its_bytes_per_parameter_over_its_share():
                    seq=64).estimates["step"]["terms"]
     assert plain["optimizer_s"] == pytest.approx(n * 96 / 1e11)
     assert sharded["optimizer_s"] == pytest.approx(plain["optimizer_s"] / 2)
+    # calibrate's measured step per parameter, for the optimizer it timed only (tensorpar's)
+    timed = dataclasses.replace(prof, optimizer_s_per_param=5e-9)
+    for zero, share in ((0, 1), (3, 2)):
+        r = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32", zero_stage=zero), hw, profile=timed, seq=64)
+        assert r.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 5e-9 / share)
+    megatron = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32"), hw, profile=timed, seq=64, runtime=est.MEGATRON_2021)
+    assert megatron.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 32 / 1e11)
+    assert est.optimizer_seconds_per_param(timed, est.ON_GPU) == 5e-9
+    with pytest.raises(ValueError, match="optimizer_s_per_param"):
+        dataclasses.replace(prof, optimizer_s_per_param=0.0)
 
 
 def test_estimates_are_not_below_the_bounds_on_the_presets():

@@ -11,6 +11,7 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
   relative error reported; the points are kept, and the estimate scales the formula by the
   measured ratio of the nearest shapes (:class:`tensorpar.planner.profile.Gemm`);
 - **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
+- **the optimizer step**: clipping and AdamW over ~12.9M float32 parameters, per parameter;
 - **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 4 blocks, split at tp = ranks and
   unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
   backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
@@ -149,28 +150,54 @@ def memory_rate(repeats: int, device="cpu") -> float:
     return statistics.median([copy, add])
 
 
+# ---- the optimizer step ----------------------------------------------------------------------------
+
+OPTIMIZER_SHAPES = ((1408, 512),) * 12 + ((4096, 512),) * 2 + ((512,),) * 16  # ~12.9M parameters, 52 MB each state
+
+
+def optimizer_rate(repeats: int, device="cpu", shapes=OPTIMIZER_SHAPES) -> float:
+    """Seconds per parameter of one optimizer step as ``train_step`` runs it: gradient clipping
+    (:func:`~tensorpar.models.training.clip_grad_norm_`) then PyTorch's AdamW (foreach), over
+    float32 weights of a model's shapes, more than any cache holds. Each element is read and
+    written in a dozen passes, some into fresh buffers: the bytes over the copy rate undercount it
+    (the estimate's ``optimizer_s``, :mod:`tensorpar.planner.estimate`)."""
+    from tensorpar.models.training import clip_grad_norm_
+
+    module = torch.nn.Module()
+    module.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def step():
+        clip_grad_norm_(module, 1.0)
+        opt.step()
+    count = sum(p.numel() for p in module.parameters())
+    return _median_time(step, repeats, device=device) / count
+
+
 # ---- a block's fixed cost -------------------------------------------------------------------------
 
-def _net(fn, repeats: int, min_s: float = 0.05, device="cpu") -> float:
-    """Median seconds of ``fn`` less the time it spent inside collectives; each sample repeats
-    ``fn`` for ``min_s`` (a short call's noise averaged). Every rank runs the same count (they
-    meet in ``fn``'s collectives): the count is agreed on from rank 0's first timing."""
+def _sampler(fn, min_s: float = 0.05, device="cpu"):
+    """A function taking one sample of ``fn``: seconds per call less the time spent inside
+    collectives, over enough calls to last ``min_s`` (a short call's noise averaged). Every rank
+    runs the same count (they meet in ``fn``'s collectives): agreed on from rank 0's first timing."""
     t0 = time.perf_counter()
     fn()
     _sync(device)
     first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.broadcast(first, 0)
     calls = max(1, min(50, int(min_s / max(first.item(), 1e-6))))
-    samples = []
-    for _ in range(repeats):
+
+    def sample() -> float:
         with dist.ledger() as led:
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             _sync(device)
             wall = time.perf_counter() - t0
-        samples.append((wall - led.seconds_in_collectives()) / calls)
-    return statistics.median(samples)
+        return (wall - led.seconds_in_collectives()) / calls
+    return sample
 
 
 def _models(layers: int, kind: str, device):
@@ -196,33 +223,50 @@ def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batche
     (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
     ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at each of ``BATCHES``
     (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or ``fsdp``) its training
-    step only."""
+    step only. Both depths are timed in the same rounds, one after the other, and each round gives
+    a slope (the block's cost) and an intercept (the step's): the median of each over the rounds,
+    so that the host's drift between two depths measured apart cannot pass for a block's cost."""
     ids = torch.arange(4, device=device).reshape(1, 4)
-    per_l = {}
-    for depth in layers:
-        model = _models(depth, kind, device)
+    lo, hi = layers
+    models = {depth: _models(depth, kind, device) for depth in layers}
+    steps = {}
+    for depth, model in models.items():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         model.train()
-        phases = {"train": _net(lambda: train_step(model, opt, ids, max_norm=1.0), repeats, min_s, device)}
-        if kind in ("ddp", "fsdp"):
-            per_l[depth] = phases
-            continue
-        model.eval()
-        phases["forward"] = _net(lambda: _forward(model, ids), repeats, min_s, device)
+        steps[depth] = lambda model=model, opt=opt: train_step(model, opt, ids, max_norm=1.0)
+    per_phase = {"train": _rounds({d: _sampler(f, min_s, device) for d, f in steps.items()}, repeats)}
+    if kind not in ("ddp", "fsdp"):
+        for model in models.values():
+            model.eval()
+        per_phase["forward"] = _rounds({d: _sampler(lambda m=m: _forward(m, ids), min_s, device)
+                                        for d, m in models.items()}, repeats)
         for b in batches:
             tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
             for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
-                one = _net(lambda: generate(model, prompts, 1, engine=engine), repeats, min_s, device)
-                many = _net(lambda: generate(model, prompts, new, engine=engine), repeats, min_s, device)
-                phases[key + tag] = (many - one) / (new - 1)
+                one = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, 1, engine=e), min_s, device)
+                       for d, m in models.items()}
+                many = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, new, engine=e), min_s, device)
+                        for d, m in models.items()}
+                both = _rounds({**{("one", d): f for d, f in one.items()}, **{("many", d): f for d, f in many.items()}},
+                               repeats)
+                per_phase[key + tag] = {d: [(n - o) / (new - 1) for o, n in zip(both[("one", d)], both[("many", d)])]
+                                        for d in layers}
                 if engine == "auto":
-                    phases["prefill" + tag] = one
-        per_l[depth] = phases
-    lo, hi = layers
+                    per_phase["prefill" + tag] = {d: both[("one", d)] for d in layers}
     out = {}
-    for k in per_l[lo]:
-        per_block = max(0.0, (per_l[hi][k] - per_l[lo][k]) / (hi - lo))
-        out[k] = (per_block, max(0.0, per_l[lo][k] - lo * per_block))
+    for phase, by_depth in per_phase.items():
+        slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
+        intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
+        out[phase] = (max(0.0, statistics.median(slopes)), max(0.0, statistics.median(intercepts)))
+    return out
+
+
+def _rounds(samplers: dict, repeats: int) -> dict:
+    """``{key: [sample per round]}``: every sampler once a round, ``repeats`` rounds."""
+    out = {k: [] for k in samplers}
+    for _ in range(repeats):
+        for k, sample in samplers.items():
+            out[k].append(sample())
     return out
 
 
@@ -312,7 +356,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
         kinds, kw = ("split", "dense"), dict(layers=(1, 2), batches=(1,), min_s=0.0)
     dtypes = DTYPES if device.type == "cpu" else {"fp32": torch.float32, "bf16": torch.bfloat16}
     mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats, device) for k, dt in dtypes.items()},
-            "memory": memory_rate(repeats, device),
+            "memory": memory_rate(repeats, device), "optimizer": optimizer_rate(repeats, device),
             "blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     mine["links"] = link_points(dist.get_world_size(), payloads, repeats, device)
@@ -339,6 +383,7 @@ def _slowest(per_rank: list) -> dict:
                            for i, (n, _) in enumerate(pts)] for p, pts in first["links"][tr][op].items()}
                   for op in first["links"][tr]} for tr in first["links"]}
     return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
+            "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
 
 
@@ -409,6 +454,7 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
                    memory_bytes_per_s=m["memory"], block_call_s=block, step_call_s=step, links=links,
                    intra_link=intra, inter_link=inter, synchronous=not gpu, source="tensorpar calibrate",
                    collective_wait=collective_wait(m.get("wait"), links, ranks),
+                   optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

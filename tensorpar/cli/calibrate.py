@@ -47,6 +47,8 @@ def summary(profile) -> str:
                      f"{g.fixed_s * 1e6:.1f} us per call (fit: median {g.fit.get('median_rel_err', 0):.0%}, "
                      f"worst {g.fit.get('max_rel_err', 0):.0%} off)")
     lines.append(f"- memory: {profile.memory_bytes_per_s / 1e9:.1f} GB/s (read + written)")
+    if profile.optimizer_s_per_param:
+        lines.append(f"- an optimizer step (clipping, AdamW): {profile.optimizer_s_per_param * 1e9:.2f} ns per parameter")
     for phase, s in profile.block_call_s.items():
         lines.append(f"- a block's fixed cost, {phase}: {s * 1e6:.0f} us (per step: "
                      f"{profile.step_call_s.get(phase, 0.0) * 1e6:.0f} us)")

@@ -36,8 +36,10 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
 - **pipeline bubble** (``bubble_s``): the time a rank waits while the other stages fill and
   drain the pipeline: ``f / (1 - f)`` (``f`` the schedule's idle share, :mod:`.schedules`) of
   ``m`` microbatches of the other stages' work; equal stages: ``busy * f / (1 - f)``.
-- **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times the bytes
-  the optimizer moves per parameter (:class:`Runtime`), over the memory bandwidth.
+- **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times one step's
+  time per parameter: measured by calibrate for tensorpar's optimizer (clipping, foreach AdamW:
+  its passes include fresh buffers, slower than the copy rate), else the bytes the runtime's
+  optimizer moves per parameter (:class:`Runtime`) over the memory bandwidth.
 
 Known limits (docs/planner.md): one block's fixed cost is measured on one architecture (Llama);
 the wait for a slower rank is modelled at tensor-parallel collectives only (not at data-parallel
@@ -65,7 +67,8 @@ class Runtime:
 
     ``attention``: ``fused`` (SDPA/FlashAttention: scores never reach memory) or ``unfused``;
     ``optimizer_bytes_per_param``: bytes read and written per parameter by one optimizer step
-    (with clipping); ``dp_overlap``: whether data-parallel gradient reduction runs during the
+    (with clipping); ``optimizer``: which one (``torch-adamw``, tensorpar's, is the one
+    ``calibrate`` times); ``dp_overlap``: whether data-parallel gradient reduction runs during the
     backward; ``bucket_bytes``: its bucket size (the last bucket cannot overlap).
     """
     name: str
@@ -73,6 +76,7 @@ class Runtime:
     optimizer_bytes_per_param: float = 96.0
     dp_overlap: bool = False
     bucket_bytes: float = 25 * 2**20
+    optimizer: str = "torch-adamw"
 
 
 # PyTorch's AdamW (foreach, the default) with clipping, as tensorpar.train_step runs it: about
@@ -85,10 +89,12 @@ ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True)
 # Megatron-LM as published in 2020 (README tables): unfused attention with dropout on the scores,
 # apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
 # fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
-MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=True)
+MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=True,
+                        optimizer="apex-fused-adam")
 # Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
 # gradients all-reduced after the backward (its own DDP, no overlap).
-MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False)
+MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False,
+                        optimizer="apex-fused-adam")
 
 
 def default_runtime(profile: Profile) -> Runtime:
@@ -318,10 +324,19 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
         dp = max(dp - backward, last)
     terms["dp_comm_s"] = dp
     params = _rank_params(split, st, stage, rank, layout)
-    terms["optimizer_s"] = params * runtime.optimizer_bytes_per_param * (e if e < 4 else 4) / 4 \
-        / profile.memory_bytes_per_s if layout.workload == "train" else 0.0
+    terms["optimizer_s"] = params * optimizer_seconds_per_param(profile, runtime) * (e if e < 4 else 4) / 4 \
+        if layout.workload == "train" else 0.0
     return _summary(terms, tokens=float(layout.global_batch * seq) / layout.dp, extra={"bubble_fraction": f,
                     "tp_rank": rank, "pp_rank": pp_rank, "runtime": runtime.name})
+
+
+def optimizer_seconds_per_param(profile: Profile, runtime: Runtime) -> float:
+    """One optimizer step per (float32) parameter: measured by calibrate where the runtime is the
+    one it measured (tensorpar's: clipping, PyTorch's foreach AdamW), else the runtime's bytes
+    per parameter over the memory bandwidth."""
+    if profile.optimizer_s_per_param is not None and runtime.optimizer == "torch-adamw":
+        return profile.optimizer_s_per_param
+    return runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
 
 
 def _sharded_copies(items, profile: Profile) -> float:

@@ -151,6 +151,8 @@ class Profile:
     measured: dict = field(default_factory=dict)  # calibrate's context: ranks, threads, torch, time
     # the wait at a collective for the slower rank, by link: {link: {"ranks", "points": [[segment_s, wait_s]]}}
     collective_wait: dict = field(default_factory=dict)
+    # one optimizer step (clipping, AdamW foreach) per float32 parameter, as tensorpar's runtime runs it; None: not measured
+    optimizer_s_per_param: float | None = None
 
     def __post_init__(self):
         for dtype, g in self.gemm.items():
@@ -168,6 +170,9 @@ class Profile:
                 for w in waits.values()):
             raise ValueError(f"profile {self.name!r}: collective_wait must be {{link: {{'points': [[segment_s > 0, "
                              f"wait_s >= 0], ...]}}}}; got {self.collective_wait!r}")
+        if self.optimizer_s_per_param is not None and not self.optimizer_s_per_param > 0:
+            raise ValueError(f"profile {self.name!r}: optimizer_s_per_param ({self.optimizer_s_per_param!r}) must be "
+                             f"> 0 or None (not measured)")
         for which in (self.intra_link, self.inter_link):
             if which not in self.links:
                 raise ValueError(f"profile {self.name!r}: link {which!r} not among {', '.join(self.links) or 'none'}")
@@ -221,7 +226,7 @@ class Profile:
                 "step_call_s": dict(self.step_call_s),
                 "links": {k: link.ops for k, link in self.links.items()},
                 "intra_link": self.intra_link, "inter_link": self.inter_link, "measured": dict(self.measured),
-                "collective_wait": dict(self.collective_wait)}
+                "collective_wait": dict(self.collective_wait), "optimizer_s_per_param": self.optimizer_s_per_param}
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -249,7 +254,8 @@ def from_dict(d: dict) -> Profile:
             step_call_s={k: float(v) for k, v in d.get("step_call_s", {}).items()},
             links={k: Link(k, ops) for k, ops in d["links"].items()}, intra_link=d["intra_link"],
             inter_link=d["inter_link"], synchronous=bool(d["synchronous"]), measured=dict(d.get("measured", {})),
-            collective_wait=dict(d.get("collective_wait") or {}))
+            collective_wait=dict(d.get("collective_wait") or {}),
+            optimizer_s_per_param=None if d.get("optimizer_s_per_param") is None else float(d["optimizer_s_per_param"]))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"hardware profile: missing or malformed field {exc}") from exc
 
