@@ -1,7 +1,10 @@
 """``tensorpar calibrate``: measure this machine into a hardware profile (:mod:`tensorpar.planner.profile`).
 
 One launch of ``ranks`` processes, one thread each, every rank measuring at once (they share the
-cores and the memory bus, as they do in a run); each figure is the slowest rank's:
+cores and the memory bus, as they do in a run); each figure is the slowest rank's. The rates
+(GEMMs in the first dtype, memory, the optimizer) are measured at the start, the middle and the
+end of the run and each point is the median of the three: a shared host's speed moves within a
+minute, and a profile should hold its speed over the calibration, not at one moment.
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
   512, n and k from 128 to 1408), float32 and float64, each call on another copy of the weight
@@ -12,7 +15,7 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
   measured ratio of the nearest shapes (:class:`tensorpar.planner.profile.Gemm`);
 - **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
 - **the optimizer step**: clipping and AdamW over ~12.9M float32 parameters, per parameter;
-- **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 4 blocks, split at tp = ranks and
+- **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 6 blocks, split at tp = ranks and
   unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
   backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
   data-parallel over the ranks (DDP, FSDP) for a training step; the slope over blocks is the cost
@@ -21,7 +24,9 @@ cores and the memory bus, as they do in a run); each figure is the slowest rank'
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
-  fit's errors reported.
+  fit's errors reported;
+- **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
+  the work before it (:func:`wait_points`, :func:`collective_wait`).
 """
 from __future__ import annotations
 
@@ -355,16 +360,38 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     if quick:
         kinds, kw = ("split", "dense"), dict(layers=(1, 2), batches=(1,), min_s=0.0)
     dtypes = DTYPES if device.type == "cpu" else {"fp32": torch.float32, "bf16": torch.bfloat16}
-    mine = {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes, repeats, device) for k, dt in dtypes.items()},
-            "memory": memory_rate(repeats, device), "optimizer": optimizer_rate(repeats, device),
-            "blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
+    passes = []  # the rates measured at the start, the middle and the end: a profile of the host's
+    # speed over the calibration, not of one moment (a shared host's speed moves within a minute)
+
+    def rates(dts):
+        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes, repeats, device) for k in dts},
+                       "memory": memory_rate(repeats, device), "optimizer": optimizer_rate(repeats, device)})
+    first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
+    rates(dtypes)
+    mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    if not quick:
+        rates([first])
     mine["links"] = link_points(dist.get_world_size(), payloads, repeats, device)
     if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
         mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
                         for tr in ("shm", "gloo")}
+    if not quick:
+        rates([first])
+    mine.update(_median_of_passes(passes))
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
+
+
+def _median_of_passes(passes: list) -> dict:
+    """``{"gemm", "memory", "optimizer"}``: each GEMM point's, the memory and optimizer rates'
+    median over the passes that measured them."""
+    gemm = {}
+    for k, pts in passes[0]["gemm"].items():
+        mine = [p["gemm"][k] for p in passes if k in p["gemm"]]
+        gemm[k] = [[*pt[:3], statistics.median(q[i][3] for q in mine)] for i, pt in enumerate(pts)]
+    return {"gemm": gemm, "memory": statistics.median(p["memory"] for p in passes),
+            "optimizer": statistics.median(p["optimizer"] for p in passes)}
 
 
 def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:
