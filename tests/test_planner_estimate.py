@@ -189,6 +189,19 @@ def test_dp_overlap_hides_all_but_the_last_bucket():
     assert hidden >= link.seconds("all_reduce", 25 * 2**20, 8) * 0.999
 
 
+def test_ddp_copies_each_gradient_into_its_bucket_and_back():
+    """PyTorch's DDP: the all-reduce over the link plus two passes of the gradients through memory
+    (4 bytes moved per byte reduced); Megatron's contiguous buffer: the all-reduce alone."""
+    m, prof = get_model("megatron-1.2b"), _flat(mem=1e11, beta_bw=1e10)
+    lay = Layout(dp=2, micro_batch=1, dtype="fp32")
+    torch_ddp = plan(m, lay, prof.hardware, profile=prof, seq=64).estimates["step"]["terms"]["dp_comm_s"]
+    megatron = plan(m, lay, prof.hardware, profile=prof, seq=64,
+                    runtime=est.MEGATRON_2021).estimates["step"]["terms"]["dp_comm_s"]
+    assert megatron > 0 and torch_ddp > megatron
+    grads = source_of(m).at(1).params_total * 4  # every fp32 gradient is reduced once
+    assert torch_ddp - megatron == pytest.approx(4 * grads / 1e11, rel=0.01)
+
+
 def test_decode_reads_the_weights_and_the_cache():
     """At batch 1 a decode step streams the rank's weights: doubling tp halves the matmul term;
     a longer context adds K/V reads to the attention term."""

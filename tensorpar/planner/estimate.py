@@ -27,7 +27,7 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   critical path). Data-parallel gradient reduction overlaps the backward only where the runtime
   overlaps it (:class:`Runtime`): then only what exceeds the backward, and at least the last
   bucket, shows. FSDP and ZeRO also copy each gathered or reduced buffer in and out (read and
-  written twice).
+  written twice), and PyTorch's DDP each gradient into its bucket and back.
 - **the wait for the slower rank** (``tp_wait_s``): ranks meet at every tensor-parallel
   collective, so each call runs at the pace of whichever rank was slower since the last; on a
   noisy host that costs more than the slowest rank's median work. Each call, after an equal share
@@ -69,7 +69,9 @@ class Runtime:
     ``optimizer_bytes_per_param``: bytes read and written per parameter by one optimizer step
     (with clipping); ``optimizer``: which one (``torch-adamw``, tensorpar's, is the one
     ``calibrate`` times); ``dp_overlap``: whether data-parallel gradient reduction runs during the
-    backward; ``bucket_bytes``: its bucket size (the last bucket cannot overlap).
+    backward; ``bucket_bytes``: its bucket size (the last bucket cannot overlap);
+    ``dp_bucket_copies``: whether DDP copies each gradient into its bucket and back (PyTorch's
+    DDP without ``gradient_as_bucket_view``; Megatron's own DDP reduces a contiguous buffer).
     """
     name: str
     attention: str = "fused"
@@ -77,6 +79,7 @@ class Runtime:
     dp_overlap: bool = False
     bucket_bytes: float = 25 * 2**20
     optimizer: str = "torch-adamw"
+    dp_bucket_copies: bool = True
 
 
 # PyTorch's AdamW (foreach, the default) with clipping, as tensorpar.train_step runs it: about
@@ -94,7 +97,7 @@ MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes
 # Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
 # gradients all-reduced after the backward (its own DDP, no overlap).
 MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False,
-                        optimizer="apex-fused-adam")
+                        optimizer="apex-fused-adam", dp_bucket_copies=False)
 
 
 def default_runtime(profile: Profile) -> Runtime:
@@ -316,7 +319,8 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
         terms["bubble_s"] = _bubble(stage_seconds, pp_rank, m, f)
     else:
         terms["bubble_s"] = 0.0
-    dp = comm["dp"] + _sharded_copies(items, profile)
+    dp = comm["dp"] + _sharded_copies(items, profile) + (_bucket_copies(items, profile) if runtime.dp_bucket_copies
+                                                         else 0.0)
     if runtime.dp_overlap and dp > 0:
         backward = 2.0 / 3.0 * m * per_micro
         last = min(dp, comm_seconds([_last_bucket(items, runtime.bucket_bytes)], placement, layout.pp,
@@ -345,6 +349,13 @@ def _sharded_copies(items, profile: Profile) -> float:
     its bytes through memory, read and written."""
     moved = sum(it.count * it.payload_bytes for it in items
                 if it.group == "dp" and it.op in ("all_gather", "reduce_scatter"))
+    return 4.0 * moved / profile.memory_bytes_per_s
+
+
+def _bucket_copies(items, profile: Profile) -> float:
+    """DDP copies each gradient into its bucket before the all-reduce and back after it: two
+    passes of the reduced bytes through memory, read and written."""
+    moved = sum(it.count * it.payload_bytes for it in items if it.group == "dp" and it.op == "all_reduce")
     return 4.0 * moved / profile.memory_bytes_per_s
 
 
