@@ -1,0 +1,110 @@
+"""docs/bench/estimates.md: `tensorpar calibrate` then `tensorpar bench --suite estimates`, three
+times one after the other, and every case's measured / estimate in each run (issue 23's test).
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~6 min
+    .venv/bin/python tools/estimates_page.py --from bench/out/estimates-runs               # re-render
+
+Each run's profile and bench output stay in ``--dir`` (default bench/out/estimates-runs); the page
+shows the last run's table and every run's ratio beside the host's speed during it, and the
+results file every run's rows and profiles. Run it on an idle machine: anything else running
+slows the cases and not the calibration before them.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tensorpar.bench.estimates import TARGET, estimates_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TENSORPAR = [str(Path(sys.executable).with_name("tensorpar"))]  # the venv's command
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def run(dirpath: Path, runs: int, repeats: int) -> list:
+    """``runs`` calibrations each followed by the estimates suite; ``[{"profile", "rows", "start", "end"}]``."""
+    dirpath.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for i in range(1, runs + 1):
+        profile, bench = dirpath / f"profile{i}.json", dirpath / f"bench{i}.json"
+        start = _now()
+        subprocess.run([*TENSORPAR, "calibrate", "--out", str(profile)], check=True, env=env, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+        with bench.open("w") as f:
+            subprocess.run([*TENSORPAR, "bench", "--suite", "estimates", "--profile", str(profile), "--repeats",
+                            str(repeats), "--json"], check=True, env=env, cwd=ROOT, stdout=f)
+        (dirpath / f"times{i}.json").write_text(json.dumps({"start": start, "end": _now()}))
+        print(f"run {i}: {start} - {_now()}", file=sys.stderr)
+    return load(dirpath, runs)
+
+
+def load(dirpath: Path, runs: int) -> list:
+    out = []
+    for i in range(1, runs + 1):
+        times = json.loads((dirpath / f"times{i}.json").read_text())
+        out.append({"profile": json.loads((dirpath / f"profile{i}.json").read_text()),
+                    "rows": json.loads((dirpath / f"bench{i}.json").read_text())["results"]["estimates"], **times})
+    return out
+
+
+def page(runs: list, repeats: int) -> str:
+    last = runs[-1]
+    cases = [r["case"] for r in last["rows"]]
+    by_run = [{r["case"]: r for r in run["rows"]} for run in runs]
+    always = [c for c in cases if all(b[c]["within_target"] for b in by_run)]
+    missed = {c: [b[c]["measured_vs_estimate"] for b in by_run] for c in cases if c not in always}
+    head = (f"# Benchmark: each case beside the planner's estimate of it\n\n"
+            f"`HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python tools/estimates_page.py`: `tensorpar calibrate --out P`, then "
+            f"`tensorpar bench --suite estimates --profile P` ({repeats} rounds), {len(runs)} times one after the "
+            f"other, {runs[0]['start']} to {runs[-1]['end']} UTC, on this project's machine (2 vCPUs), "
+            f"torch {last['profile'].get('measured', {}).get('torch', '?')}. One launch of 2 ranks, one thread per "
+            f"rank, float32, the ~25M Llama (`BENCH_LLAMA`). The last run's table below; every run's profile, "
+            f"rows and samples, and the host's speed before each sample: "
+            f"[estimates_results.json](estimates_results.json). What each case is: "
+            f"[benchmarks.md](../benchmarks.md#estimates-each-case-beside-the-planners-estimate); the model: "
+            f"[planner.md](../planner.md#time-estimates).\n\n")
+    runs_head = "| case | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |\n|---|" + \
+        "---:|" * len(runs) + "\n"
+    runs_rows = "\n".join(f"| {c} | " + " | ".join(
+        f"{b[c]['measured_vs_estimate']:.2f} ({b[c]['host_speed']:.2f})" if b[c].get("host_speed") is not None
+        else f"{b[c]['measured_vs_estimate']:.2f}" for b in by_run) + " |" for c in cases)
+    verdict = (f"**Within {TARGET:.0%} in every run: {len(always)} of {len(cases)} cases**"
+               + (f" ({', '.join(always)})" if always and missed else "") + ".")
+    if missed:
+        verdict += " Outside it in at least one run: " + "; ".join(
+            f"{c} ({', '.join(f'{x:.2f}' for x in v)})" for c, v in missed.items()) + "."
+    return (head + estimates_table(last["rows"]) + "\nMeasured / estimate in each run (in brackets: the host's "
+            "speed during the case against its calibration's, the median of the probes before each sample; "
+            "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + verdict + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--dir", type=Path, default=ROOT / "bench/out/estimates-runs")
+    ap.add_argument("--from", dest="reuse", type=Path, help="render the runs already in this folder")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs/bench")
+    args = ap.parse_args(argv)
+    runs = load(args.reuse, args.runs) if args.reuse else run(args.dir, args.runs, args.repeats)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "estimates.md").write_text(page(runs, args.repeats))
+    (args.out / "estimates_results.json").write_text(json.dumps(
+        {"estimates": runs[-1]["rows"], "profile": runs[-1]["profile"], "runs": [
+            {"start": r["start"], "end": r["end"], "rows": r["rows"], "profile": r["profile"]} for r in runs]}) + "\n")
+    print(f"wrote {args.out / 'estimates.md'}, {args.out / 'estimates_results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
