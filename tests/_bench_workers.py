@@ -22,4 +22,19 @@ def train_and_pipeline_worker(path, ckpt_root, train_args, pipeline_args, estima
     from tensorpar.bench.train import train_worker
 
     return {"train": train_worker(path, ckpt_root, *train_args), "pipeline": pipeline_worker(path, *pipeline_args),
-            "estimates": estimates_worker(path, *estimates_args)}
+            "estimates": estimates_worker(path, *estimates_args), "wait": _alternating_wait()}
+
+
+def _alternating_wait():
+    """calibrate's wait loop over work whose noise is known: each rank sleeps 2 ms on every other
+    call, the two ranks in turn (tests/test_bench.py)."""
+    import itertools
+    import time
+
+    from tensorpar import distributed as dist
+    from tensorpar.bench.calibrate import wait_points
+
+    def work(m):
+        turn = itertools.count()
+        return lambda: time.sleep(2e-3) if next(turn) % 2 == dist.get_rank() else None
+    return wait_points("shm", 2, m_sizes=(1,), work=work)

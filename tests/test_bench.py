@@ -319,30 +319,40 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     # the wait for the slower rank, measured over both transports, priced at tp's collectives only
     assert set(profile.collective_wait) == {"shm", "gloo"}
     for w in profile.collective_wait.values():
-        assert len(w["points"]) == 2 and all(seg > 0 and wait >= 0 for seg, wait in w["points"])
+        assert len(w["2"]["points"]) == 2 and len(w["2"]["measured"]) == 2
     assert all(by[c]["terms"]["tp_wait_s"] == 0 for c in ("dp2_ddp", "dp2_fsdp", "pp2"))
+    # wait_points measures the wait: each rank sleeps 2 ms on every other call, the two in turn, so
+    # alone each averages 1 ms a call and together every call waits 2 ms: about 1 ms of wait
+    (seg, both), = train_and_pipeline_rows["wait"][2]
+    assert 0.8e-3 < seg < 1.6e-3 and 0.7e-3 < both - seg < 1.5e-3, (seg, both)
     assert 1e-11 < profile.optimizer_s_per_param < 1e-6  # measured: seconds per parameter of a step
 
 
 def test_the_wait_at_a_collective_is_what_calibrate_measured_less_its_latency():
     """collective_wait: each point's loop time with the collective, less the work and the link's
-    fitted alpha (never below 0), by transport; the profile interpolates it by the work's length."""
+    fitted alpha at that group size (never below 0), by transport and size; the profile
+    interpolates it by the work's length and takes the largest measured size up to the group's."""
     from tensorpar.bench.calibrate import collective_wait
     from tensorpar.planner.profile import Link, published
 
-    links = {tr: Link(tr, {"all_reduce": {"2": {"alpha_s": a, "beta_s_per_byte": 0.0}}})
+    links = {tr: Link(tr, {"all_reduce": {"2": {"alpha_s": a, "beta_s_per_byte": 0.0},
+                                          "4": {"alpha_s": 2 * a, "beta_s_per_byte": 0.0}}})
              for tr, a in (("shm", 20e-6), ("gloo", 500e-6))}
-    got = collective_wait({"shm": [[1e-3, 1.07e-3], [1e-4, 1.3e-4]], "gloo": [[1e-4, 4e-4]]}, links, 2)
-    assert got["shm"]["points"] == [[1e-4, pytest.approx(10e-6)], [1e-3, pytest.approx(50e-6)]]
-    assert got["gloo"]["points"] == [[1e-4, 0.0]] and got["shm"]["ranks"] == 2
+    got = collective_wait({"shm": {2: [[1e-3, 1.07e-3], [1e-4, 1.3e-4]], 4: [[1e-4, 2.4e-4]]},
+                           "gloo": {2: [[1e-4, 4e-4]]}}, links)
+    assert got["shm"]["2"]["points"] == [[1e-4, pytest.approx(10e-6)], [1e-3, pytest.approx(50e-6)]]
+    assert got["shm"]["4"]["points"] == [[1e-4, pytest.approx(100e-6)]] and got["gloo"]["2"]["points"] == [[1e-4, 0.0]]
     p = dataclasses.replace(published("h200"), collective_wait=got, intra_link="shm", inter_link="gloo",
                             links=links)
     assert p.wait_s(5.5e-4) == pytest.approx(30e-6)  # linear between the points
     assert p.wait_s(5e-5) == pytest.approx(5e-6)  # proportional below the shortest
     assert p.wait_s(1.0) == pytest.approx(50e-6)  # the longest's above it
+    assert p.wait_s(1e-4, ranks=4) == pytest.approx(100e-6) == p.wait_s(1e-4, ranks=8)  # the largest measured
     assert p.wait_s(1e-3, "gloo") == 0.0 and p.wait_s(1e-3, "nccl") == 0.0 and p.wait_s(0.0) == 0.0
-    with pytest.raises(ValueError, match="collective_wait must be"):
-        dataclasses.replace(p, collective_wait={"shm": {"points": [[0.0, 1e-6]]}})
+    for bad in ({"shm": {"2": {"points": [[0.0, 1e-6]]}}}, {"shm": {"2": {"points": [[2e-3, 0.0], [1e-3, 0.0]]}}},
+                {"shm": {"points": [[1e-3, 0.0]]}}):
+        with pytest.raises(ValueError, match="collective_wait must be"):
+            dataclasses.replace(p, collective_wait=bad)
 
 
 def test_calibrate_fits_recover_known_figures():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tensorpar.bench.estimates import TARGET, estimates_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TENSORPAR = [str(Path(sys.executable).with_name("tensorpar"))]  # the venv's command
+TENSORPAR = [sys.executable, "-m", "tensorpar"]
 
 
 def _now() -> str:
@@ -43,7 +43,7 @@ def run(dirpath: Path, runs: int, repeats: int) -> list:
         with bench.open("w") as f:
             subprocess.run([*TENSORPAR, "bench", "--suite", "estimates", "--profile", str(profile), "--repeats",
                             str(repeats), "--json"], check=True, env=env, cwd=ROOT, stdout=f)
-        (dirpath / f"times{i}.json").write_text(json.dumps({"start": start, "end": _now()}))
+        (dirpath / f"times{i}.json").write_text(json.dumps({"start": start, "end": _now(), "repeats": repeats}))
         print(f"run {i}: {start} - {_now()}", file=sys.stderr)
     return load(dirpath, runs)
 
@@ -57,18 +57,19 @@ def load(dirpath: Path, runs: int) -> list:
     return out
 
 
-def page(runs: list, repeats: int) -> str:
+def page(runs: list) -> str:
     last = runs[-1]
-    cases = [r["case"] for r in last["rows"]]
     by_run = [{r["case"]: r for r in run["rows"]} for run in runs]
+    cases = [r["case"] for r in last["rows"] if all(r["case"] in b for b in by_run)]
+    measured = last["profile"].get("measured", {})
     always = [c for c in cases if all(b[c]["within_target"] for b in by_run)]
     missed = {c: [b[c]["measured_vs_estimate"] for b in by_run] for c in cases if c not in always}
     head = (f"# Benchmark: each case beside the planner's estimate of it\n\n"
             f"`HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python tools/estimates_page.py`: `tensorpar calibrate --out P`, then "
-            f"`tensorpar bench --suite estimates --profile P` ({repeats} rounds), {len(runs)} times one after the "
-            f"other, {runs[0]['start']} to {runs[-1]['end']} UTC, on this project's machine (2 vCPUs), "
-            f"torch {last['profile'].get('measured', {}).get('torch', '?')}. One launch of 2 ranks, one thread per "
-            f"rank, float32, the ~25M Llama (`BENCH_LLAMA`). The last run's table below; every run's profile, "
+            f"`tensorpar bench --suite estimates --profile P` ({last.get('repeats', '?')} rounds), {len(runs)} times "
+            f"one after the other, {runs[0]['start']} to {runs[-1]['end']} UTC, on this project's machine "
+            f"({measured.get('cpu_count', '?')} CPUs), torch {measured.get('torch', '?')}. One launch of "
+            f"{measured.get('ranks', '?')} ranks, {measured.get('threads_per_rank', '?')} thread per rank, float32, the ~25M Llama (`BENCH_LLAMA`). The last run's table below; every run's profile, "
             f"rows and samples, and the host's speed before each sample: "
             f"[estimates_results.json](estimates_results.json). What each case is: "
             f"[benchmarks.md](../benchmarks.md#estimates-each-case-beside-the-planners-estimate); the model: "
@@ -98,10 +99,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     runs = load(args.reuse, args.runs) if args.reuse else run(args.dir, args.runs, args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "estimates.md").write_text(page(runs, args.repeats))
+    (args.out / "estimates.md").write_text(page(runs))
     (args.out / "estimates_results.json").write_text(json.dumps(
         {"estimates": runs[-1]["rows"], "profile": runs[-1]["profile"], "runs": [
-            {"start": r["start"], "end": r["end"], "rows": r["rows"], "profile": r["profile"]} for r in runs]}) + "\n")
+            {k: r.get(k) for k in ("start", "end", "repeats", "rows", "profile")} for r in runs]}, indent=1) + "\n")
     print(f"wrote {args.out / 'estimates.md'}, {args.out / 'estimates_results.json'}")
     return 0
 

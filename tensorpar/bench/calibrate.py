@@ -41,8 +41,10 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
+from tensorpar.bench.timing import round_order
 from tensorpar.distributed import collectives
 from tensorpar.distributed.dp_engines import init_mesh
+from tensorpar.distributed.groups import barrier
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model
@@ -162,7 +164,7 @@ OPTIMIZER_SHAPES = ((1408, 512),) * 12 + ((4096, 512),) * 2 + ((512,),) * 16  # 
 
 def optimizer_rate(repeats: int, device="cpu", shapes=OPTIMIZER_SHAPES) -> float:
     """Seconds per parameter of one optimizer step as ``train_step`` runs it: gradient clipping
-    (:func:`~tensorpar.models.training.clip_grad_norm_`) then PyTorch's AdamW (foreach), over
+    (:func:`~tensorpar.models.training.clip_grad_norm_`) then PyTorch's AdamW (its default for the device: a loop over the tensors on a CPU, foreach on a GPU), over
     float32 weights of a model's shapes, more than any cache holds. Each element is read and
     written in a dozen passes, some into fresh buffers: the bytes over the copy rate undercount it
     (the estimate's ``optimizer_s``, :mod:`tensorpar.planner.estimate`)."""
@@ -267,11 +269,12 @@ def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batche
 
 
 def _rounds(samplers: dict, repeats: int) -> dict:
-    """``{key: [sample per round]}``: every sampler once a round, ``repeats`` rounds."""
+    """``{key: [sample per round]}``: every sampler once a round, ``repeats`` rounds, the order
+    rotating (:func:`~tensorpar.bench.timing.round_order`) so that none always runs first."""
     out = {k: [] for k in samplers}
-    for _ in range(repeats):
-        for k, sample in samplers.items():
-            out[k].append(sample())
+    for i in range(repeats):
+        for k in round_order(list(samplers), i):
+            out[k].append(samplers[k]())
     return out
 
 
@@ -304,47 +307,60 @@ def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
 WAIT_SHAPE, WAIT_M = (1408, 512), (1, 8, 64, 512)  # one weight of the grid, segments of ~0.1 to ~10 ms
 
 
-def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M) -> list:
-    """``[[segment_s, with_collective_s]]``: every rank of the world runs a GEMM (``m`` rows of
-    ``WAIT_SHAPE``, cold weights, as :func:`gemm_points`) then an 8-byte all-reduce over
-    ``transport``, back to back, and the same GEMMs without the all-reduce; the slowest rank's
-    time of the GEMM alone (``segment_s``) and the loop's time per GEMM with it. The loop with the
-    collective runs at the pace of whichever rank is slower at each call, so it costs more than
-    the slowest rank's median and the collective's own latency: the wait for the slower rank,
-    which grows with the noise of the work between two collectives (:func:`build_profile`)."""
-    group = dist.new_group(list(range(dist.get_world_size())), backend=transport)
+def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M, work=None) -> dict:
+    """``{p: [[segment_s, with_collective_s]]}`` for groups of the first ``p`` ranks, ``p`` from 2
+    to the world: every member runs a GEMM (``m`` rows of ``WAIT_SHAPE``, cold weights, as
+    :func:`gemm_points`; ``work(m)``, where given, makes the call instead) then an 8-byte
+    all-reduce over ``transport``, back to back, and the same GEMMs without the all-reduce, in
+    paired rounds (each loop first in every other round); the slowest rank's median time of the
+    GEMM alone (``segment_s``), and that plus the median over rounds of the loop's time per GEMM
+    with the collective less the slowest rank's without. The loop with the collective runs at the
+    pace of whichever rank is slower at each call, so it costs more than the slowest rank's median
+    and the collective's own latency: the wait for the slower rank, which grows with the noise of
+    the work between two collectives and with the group (:func:`collective_wait`)."""
     n, k = WAIT_SHAPE
-    copies = max(1, COLD_BYTES // (n * k * 4))
-    weights = [torch.randn(n, k, device=device) for _ in range(copies)]
-    flag = torch.zeros(2, device=device)
-    out = []
-    for m in m_sizes:
-        x, turn = torch.randn(m, k, device=device), iter(range(1 << 62))
-        gemm = lambda: F.linear(x, weights[next(turn) % copies])  # noqa: E731
+    weights = []
+    if work is None:
+        copies = max(1, COLD_BYTES // (n * k * 4))
+        weights = [torch.randn(n, k, device=device) for _ in range(copies)]
 
-        def synced():
-            gemm()
-            collectives.all_reduce(flag, group)
-        synced()
-        t0 = time.perf_counter()
-        gemm()
-        first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(first, op="max")
-        calls = max(4, min(400, int(0.02 / max(first.item(), 1e-6))))  # about 20 ms a sample
-        rounds = 2 * repeats + 1  # paired: each round's two loops ran within ~40 ms of each other
-        times = torch.zeros(2, rounds, dtype=torch.float64)
-        for i in range(rounds):
-            for j, fn in enumerate((gemm, synced)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                _sync(device)
-                times[j, i] = (time.perf_counter() - t0) / calls
-        dist.all_reduce(times, op="max")  # the slowest rank's work alone; the loop with the collective
-        seg = statistics.median(times[0].tolist())
-        out.append([seg, seg + statistics.median((times[1] - times[0]).tolist())])
+        def work(m):
+            x, turn = torch.randn(m, k, device=device), iter(range(1 << 62))
+            return lambda: F.linear(x, weights[next(turn) % copies])
+    out = {}
+    for p in range(2, dist.get_world_size() + 1):
+        group = dist.new_group(list(range(p)), backend=transport)
+        if dist.get_rank() >= p:
+            continue
+        out[p] = [_wait_point(work(m), group, repeats, device) for m in m_sizes]
     return out
+
+
+def _wait_point(gemm, group, repeats: int, device) -> list:
+    flag = torch.zeros(2, device=device)
+
+    def synced():
+        gemm()
+        collectives.all_reduce(flag, group)
+    synced()
+    t0 = time.perf_counter()
+    gemm()
+    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    collectives.all_reduce(first, group, op="max")
+    calls = max(4, min(400, int(0.02 / max(first.item(), 1e-6))))  # about 20 ms a sample
+    rounds = 2 * repeats + 1  # paired: each round's two loops ran within ~40 ms of each other
+    times = torch.zeros(2, rounds, dtype=torch.float64)
+    for i in range(rounds):
+        for j, fn in ((0, gemm), (1, synced))[::1 if i % 2 else -1]:  # each first in every other round
+            barrier(group)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times[j, i] = (time.perf_counter() - t0) / calls
+    collectives.all_reduce(times, group, op="max")  # the slowest rank's work alone; the loop with the collective
+    seg = statistics.median(times[0].tolist())
+    return [seg, seg + statistics.median((times[1] - times[0]).tolist())]
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -352,7 +368,8 @@ def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M) -> l
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
                      quick: bool = False) -> list:
     """Every rank's measurements (each rank gets all of them). ``quick``: the fixed costs of the
-    split and unsplit models only, at batch 1, over 1 and 2 blocks, short samples (a smoke run)."""
+    split and unsplit models only, at batch 1, over 1 and 2 blocks, short samples, the rates in one
+    pass, the wait at two lengths of work (a smoke run)."""
     torch.set_num_threads(1)
     device = dist.rank_device()  # its GPU under NCCL, else the host
     t0 = time.perf_counter()
@@ -432,17 +449,19 @@ def _args(kw: dict) -> tuple:
 WIDTH = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
 
 
-def collective_wait(points: dict | None, links: dict, ranks: int) -> dict:
-    """``{transport: {"ranks", "points": [[segment_s, wait_s]], "measured"}}``: the wait at a
-    collective for the slower rank (and for a blocked rank to wake) by the length of the work
-    before it: :func:`wait_points`' loop with the collective, less the slowest rank's work and
-    the collective's fitted latency ``alpha`` (what the estimate does not count otherwise), at
-    least 0; empty where not measured."""
+def collective_wait(points: dict | None, links: dict) -> dict:
+    """``{transport: {p: {"points": [[segment_s, wait_s]], "measured"}}}``: the wait at a
+    collective of ``p`` ranks for the slower rank (and for a blocked rank to wake) by the length
+    of the work before it: :func:`wait_points`' loop with the collective, less the slowest rank's
+    work and the collective's fitted latency ``alpha`` at that size (what the estimate does not
+    count otherwise), at least 0; empty where not measured."""
     out = {}
-    for tr, pts in (points or {}).items():
-        alpha = links[tr].ops["all_reduce"][str(ranks)]["alpha_s"]
-        out[tr] = {"ranks": ranks, "points": [[seg, max(0.0, both - seg - alpha)] for seg, both in sorted(pts)],
-                   "measured": [[seg, both] for seg, both in sorted(pts)]}
+    for tr, by_size in (points or {}).items():
+        out[tr] = {}
+        for p, pts in by_size.items():
+            alpha = links[tr].ops["all_reduce"][str(p)]["alpha_s"]
+            out[tr][str(p)] = {"points": [[seg, max(0.0, both - seg - alpha)] for seg, both in sorted(pts)],
+                               "measured": [[seg, both] for seg, both in sorted(pts)]}
     return out
 
 
@@ -480,7 +499,7 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
     return Profile(name=hardware.name, device=m.get("device", "cpu"), hardware=hardware, gemm=gemm,
                    memory_bytes_per_s=m["memory"], block_call_s=block, step_call_s=step, links=links,
                    intra_link=intra, inter_link=inter, synchronous=not gpu, source="tensorpar calibrate",
-                   collective_wait=collective_wait(m.get("wait"), links, ranks),
+                   collective_wait=collective_wait(m.get("wait"), links),
                    optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "torch": torch.__version__,

@@ -59,7 +59,8 @@ def summary(profile) -> str:
                 lines.append(f"- {name} {op} over {p} ranks: alpha {fit['alpha_s'] * 1e6:.1f} us, "
                              f"{1 / fit['beta_s_per_byte'] / 1e9 if fit['beta_s_per_byte'] else float('inf'):.2f} GB/s "
                              f"(fit: median {f.get('median_rel_err', 0):.0%}, worst {f.get('max_rel_err', 0):.0%} off)")
-    for name, wait in profile.collective_wait.items():
-        lines.append(f"- {name}: the wait at a collective for the slower rank ({wait.get('ranks')} ranks): " + ", ".join(
-            f"{w * 1e6:.0f} us after {seg * 1e3:.2f} ms of work" for seg, w in wait["points"]))
+    for name, by_size in profile.collective_wait.items():
+        for p, wait in by_size.items():
+            lines.append(f"- {name}: the wait at a collective of {p} ranks for the slower rank: " + ", ".join(
+                f"{w * 1e6:.0f} us after {seg * 1e3:.2f} ms of work" for seg, w in wait["points"]))
     return "\n".join(lines)

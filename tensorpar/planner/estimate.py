@@ -37,7 +37,7 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   drain the pipeline: ``f / (1 - f)`` (``f`` the schedule's idle share, :mod:`.schedules`) of
   ``m`` microbatches of the other stages' work; equal stages: ``busy * f / (1 - f)``.
 - **optimizer** (``optimizer_s``): the rank's parameters (its ZeRO/FSDP share) times one step's
-  time per parameter: measured by calibrate for tensorpar's optimizer (clipping, foreach AdamW:
+  time per parameter: measured by calibrate for tensorpar's optimizer (clipping, PyTorch's AdamW:
   its passes include fresh buffers, slower than the copy rate), else the bytes the runtime's
   optimizer moves per parameter (:class:`Runtime`) over the memory bandwidth.
 
@@ -78,17 +78,17 @@ class Runtime:
     optimizer_bytes_per_param: float = 96.0
     dp_overlap: bool = False
     bucket_bytes: float = 25 * 2**20
-    optimizer: str = "torch-adamw"
+    optimizer: str | None = None
     dp_bucket_copies: bool = True
 
 
-# PyTorch's AdamW (foreach, the default) with clipping, as tensorpar.train_step runs it: about
-# twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
+# PyTorch's AdamW (its default: a loop over the tensors on a CPU, foreach on a GPU) with clipping, as
+# tensorpar.train_step runs it: about twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
 # its scaling and epsilon, the update; the norm and the clip): 96 bytes per parameter.
-ON_CPU = Runtime("tensorpar")
+ON_CPU = Runtime("tensorpar", optimizer="torch-adamw")
 # On a GPU the same code, with DDP's gradient buckets overlapping the backward (its reducer's
 # hooks fire per bucket as gradients are ready).
-ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True)
+ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True, optimizer="torch-adamw")
 # Megatron-LM as published in 2020 (README tables): unfused attention with dropout on the scores,
 # apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
 # fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
@@ -231,7 +231,8 @@ def tp_wait_seconds(items, work_s: float, placement: dict, pp: int, profile: Pro
     if not calls or not profile.synchronous or work_s <= 0:
         return 0.0
     segment = work_s / calls
-    return sum(it.count * profile.wait_s(segment, profile.link(on_one_node(it, placement, pp)[0]).name) for it in tp)
+    return sum(it.count * profile.wait_s(segment, profile.link(on_one_node(it, placement, pp)[0]).name, it.group_size)
+               for it in tp)
 
 
 def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Profile, runtime: Runtime):
@@ -336,7 +337,7 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
 
 def optimizer_seconds_per_param(profile: Profile, runtime: Runtime) -> float:
     """One optimizer step per (float32) parameter: measured by calibrate where the runtime is the
-    one it measured (tensorpar's: clipping, PyTorch's foreach AdamW), else the runtime's bytes
+    one it measured (tensorpar's: clipping, PyTorch's AdamW), else the runtime's bytes
     per parameter over the memory bandwidth."""
     if profile.optimizer_s_per_param is not None and runtime.optimizer == "torch-adamw":
         return profile.optimizer_s_per_param

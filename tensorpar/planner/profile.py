@@ -149,7 +149,7 @@ class Profile:
     source: str = ""
     step_call_s: dict = field(default_factory=dict)  # fixed cost per step by phase (embedding, head, loop)
     measured: dict = field(default_factory=dict)  # calibrate's context: ranks, threads, torch, time
-    # the wait at a collective for the slower rank, by link: {link: {"ranks", "points": [[segment_s, wait_s]]}}
+    # the wait at a collective for the slower rank: {link: {ranks: {"points": [[segment_s, wait_s]], "measured"}}}
     collective_wait: dict = field(default_factory=dict)
     # one optimizer step (clipping, AdamW foreach) per float32 parameter, as tensorpar's runtime runs it; None: not measured
     optimizer_s_per_param: float | None = None
@@ -164,12 +164,9 @@ class Profile:
         missing = [p for p in PHASES if p not in self.block_call_s]
         if missing:
             raise ValueError(f"profile {self.name!r}: block_call_s lacks {', '.join(missing)}; needs {', '.join(PHASES)}")
-        waits = self.collective_wait if isinstance(self.collective_wait, dict) else None
-        if waits is None or not all(isinstance(w, dict) and w.get("points") and all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in w["points"])
-                for w in waits.values()):
-            raise ValueError(f"profile {self.name!r}: collective_wait must be {{link: {{'points': [[segment_s > 0, "
-                             f"wait_s >= 0], ...]}}}}; got {self.collective_wait!r}")
+        if not _valid_waits(self.collective_wait):
+            raise ValueError(f"profile {self.name!r}: collective_wait must be {{link: {{ranks: {{'points': "
+                             f"[[segment_s > 0, wait_s >= 0], ...] by segment}}}}}}; got {self.collective_wait!r}")
         if self.optimizer_s_per_param is not None and not self.optimizer_s_per_param > 0:
             raise ValueError(f"profile {self.name!r}: optimizer_s_per_param ({self.optimizer_s_per_param!r}) must be "
                              f"> 0 or None (not measured)")
@@ -197,14 +194,19 @@ class Profile:
         """Fixed cost of one step in ``phase`` besides its blocks (embedding, head, loss, loop)."""
         return _at_batch(self.step_call_s, _key(self.step_call_s, phase, tp, dp_engine), batch)
 
-    def wait_s(self, segment_s: float, link: str | None = None) -> float:
-        """Seconds a collective over ``link`` (default: the intra-node one) waits for the slower
-        rank after ``segment_s`` of work on each (``collective_wait``, measured by calibrate):
-        linear between the measured segments, proportional below the shortest, the longest's
-        above it (past ~10 ms of work the ranks' noise averages out); 0 where not measured."""
-        pts = (self.collective_wait.get(link or self.intra_link) or {}).get("points") or []
-        if not pts or segment_s <= 0:
+    def wait_s(self, segment_s: float, link: str | None = None, ranks: int = 2) -> float:
+        """Seconds a collective of ``ranks`` over ``link`` (default: the intra-node one) waits for
+        the slower rank after ``segment_s`` of work on each (``collective_wait``, measured by
+        calibrate at each group size up to its ``--ranks``; a larger group takes the largest
+        measured, an underestimate): linear between the measured segments, proportional below
+        the shortest, the longest's above it (past ~10 ms of work the ranks' noise averages
+        out); 0 where not measured."""
+        by_size = self.collective_wait.get(link or self.intra_link) or {}
+        sizes = sorted(int(p) for p in by_size)
+        if not sizes or segment_s <= 0:
             return 0.0
+        size = max([p for p in sizes if p <= ranks] or sizes[:1])
+        pts = by_size[str(size)]["points"]
         (s0, w0), (s1, w1) = pts[0], pts[-1]
         if segment_s <= s0:
             return w0 * segment_s / s0
@@ -232,6 +234,16 @@ class Profile:
         path = Path(path)
         path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
         return path
+
+
+def _valid_waits(waits) -> bool:
+    """``{link: {ranks: {"points": [[segment_s > 0, wait_s >= 0], ...]}}}``, segments ascending."""
+    def points_ok(pts):
+        return bool(pts) and all(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] > 0 and p[1] >= 0
+                                 for p in pts) and all(a[0] < b[0] for a, b in zip(pts, pts[1:]))
+    return isinstance(waits, dict) and all(
+        isinstance(by_size, dict) and all(str(p).isdigit() and isinstance(w, dict) and points_ok(w.get("points"))
+                                          for p, w in by_size.items()) for by_size in waits.values())
 
 
 def from_dict(d: dict) -> Profile:
