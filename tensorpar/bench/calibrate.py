@@ -48,7 +48,7 @@ from tensorpar.distributed.groups import barrier
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.models.generation import generate
 from tensorpar.models.tiny import make_tiny_model
-from tensorpar.models.training import train_step
+from tensorpar.models.training import clip_grad_norm_, train_step
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
 
@@ -168,8 +168,6 @@ def optimizer_rate(repeats: int, device="cpu", shapes=OPTIMIZER_SHAPES) -> float
     float32 weights of a model's shapes, more than any cache holds. Each element is read and
     written in a dozen passes, some into fresh buffers: the bytes over the copy rate undercount it
     (the estimate's ``optimizer_s``, :mod:`tensorpar.planner.estimate`)."""
-    from tensorpar.models.training import clip_grad_norm_
-
     module = torch.nn.Module()
     module.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes)
     for p in module.parameters():
