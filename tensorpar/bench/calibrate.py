@@ -160,6 +160,7 @@ def memory_rate(repeats: int, device="cpu") -> float:
 # ---- the optimizer step ----------------------------------------------------------------------------
 
 OPTIMIZER_SHAPES = ((1408, 512),) * 12 + ((4096, 512),) * 2 + ((512,),) * 16  # ~12.9M parameters, 52 MB each state
+QUICK_OPTIMIZER = ((512, 512),) * 4  # a smoke run's
 
 
 def optimizer_rate(repeats: int, device="cpu", shapes=OPTIMIZER_SHAPES) -> float:
@@ -380,7 +381,8 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
 
     def rates(dts):
         passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes, repeats, device) for k in dts},
-                       "memory": memory_rate(repeats, device), "optimizer": optimizer_rate(repeats, device)})
+                       "memory": memory_rate(repeats, device),
+                       "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)})
     first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
     rates(dtypes)
     mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
