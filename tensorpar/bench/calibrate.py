@@ -26,7 +26,9 @@ minute, and a profile should hold its speed over the calibration, not at one mom
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
   fit's errors reported;
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
-  the work before it (:func:`wait_points`, :func:`collective_wait`).
+  the work before it.
+
+The fixed costs, the optimizer and the wait are measured in :mod:`tensorpar.bench.calibrate_costs`.
 """
 from __future__ import annotations
 
@@ -40,15 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from tensorpar import distributed as dist
-from tensorpar.apply import parallelize
-from tensorpar.bench.timing import round_order
-from tensorpar.distributed import collectives
-from tensorpar.distributed.dp_engines import init_mesh
-from tensorpar.distributed.groups import barrier
+from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
+                                             block_costs, collective_wait, optimizer_rate, wait_points)
 from tensorpar.distributed.probe import OPS, time_collective
-from tensorpar.models.generation import generate
-from tensorpar.models.tiny import make_tiny_model
-from tensorpar.models.training import clip_grad_norm_, train_step
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
 
@@ -57,36 +53,8 @@ M_SIZES = (1, 8, 64, 512)
 NK_SIZES = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
 PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
 SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64)
 QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5,
              quick=True)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn, repeats: int, min_s: float = 0.02, device="cpu") -> float:
-    """Median seconds of ``fn``: each sample loops until ``min_s`` passes (short calls); on a GPU
-    the device is waited for (a queued kernel is not a finished one)."""
-    fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            _sync(device)
-            if time.perf_counter() - t0 >= min_s:
-                break
-        samples.append((time.perf_counter() - t0) / n)
-    return statistics.median(samples)
-
-
-COLD_BYTES = 64 << 20  # weights cycled per shape: a model's step touches more than any cache holds
 
 
 def gemm_points(dtype, m_sizes, nk_sizes, repeats: int, device="cpu") -> list:
@@ -157,131 +125,6 @@ def memory_rate(repeats: int, device="cpu") -> float:
     return statistics.median([copy, add])
 
 
-# ---- the optimizer step ----------------------------------------------------------------------------
-
-OPTIMIZER_SHAPES = ((1408, 512),) * 12 + ((4096, 512),) * 2 + ((512,),) * 16  # ~12.9M parameters, 52 MB each state
-QUICK_OPTIMIZER = ((512, 512),) * 4  # a smoke run's
-
-
-def optimizer_rate(repeats: int, device="cpu", shapes=OPTIMIZER_SHAPES) -> float:
-    """Seconds per parameter of one optimizer step as ``train_step`` runs it: gradient clipping
-    (:func:`~tensorpar.models.training.clip_grad_norm_`) then PyTorch's AdamW (its default for the device: a loop over the tensors on a CPU, foreach on a GPU), over
-    float32 weights of a model's shapes, more than any cache holds. Each element is read and
-    written in a dozen passes, some into fresh buffers: the bytes over the copy rate undercount it
-    (the estimate's ``optimizer_s``, :mod:`tensorpar.planner.estimate`)."""
-    module = torch.nn.Module()
-    module.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes)
-    for p in module.parameters():
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-
-    def step():
-        clip_grad_norm_(module, 1.0)
-        opt.step()
-    count = sum(p.numel() for p in module.parameters())
-    return _median_time(step, repeats, device=device) / count
-
-
-# ---- a block's fixed cost -------------------------------------------------------------------------
-
-def _sampler(fn, min_s: float = 0.05, device="cpu"):
-    """A function taking one sample of ``fn``: seconds per call less the time spent inside
-    collectives, over enough calls to last ``min_s`` (a short call's noise averaged). Every rank
-    runs the same count (they meet in ``fn``'s collectives): agreed on from rank 0's first timing."""
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.broadcast(first, 0)
-    calls = max(1, min(50, int(min_s / max(first.item(), 1e-6))))
-
-    def sample() -> float:
-        with dist.ledger() as led:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            wall = time.perf_counter() - t0
-        return (wall - led.seconds_in_collectives()) / calls
-    return sample
-
-
-def _models(layers: int, kind: str, device):
-    """A tiny Llama on ``device``: ``split`` at tp = world, ``dense``, or data-parallel over the
-    world (``ddp``, ``fsdp``)."""
-    model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=layers, **TINY).to(device)
-    if kind == "split":
-        model = parallelize(model)
-    elif kind in ("ddp", "fsdp"):
-        model = parallelize(model, mesh=init_mesh(dist.get_world_size(), 1, torch.device(device).type),
-                            data_parallel=kind)
-    return model
-
-
-LAYERS = (1, 6)  # the tiny models' blocks: the slope over them is one block's cost
-BATCHES = (1, 8)  # inference's fixed costs at each: a larger batch costs more per call (cache, sampling)
-
-
-def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05,
-                device="cpu") -> dict:
-    """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
-    tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
-    (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
-    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at each of ``BATCHES``
-    (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or ``fsdp``) its training
-    step only. Both depths are timed in the same rounds, one after the other, and each round gives
-    a slope (the block's cost) and an intercept (the step's): the median of each over the rounds,
-    so that the host's drift between two depths measured apart cannot pass for a block's cost."""
-    ids = torch.arange(4, device=device).reshape(1, 4)
-    lo, hi = layers
-    models = {depth: _models(depth, kind, device) for depth in layers}
-    steps = {}
-    for depth, model in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model.train()
-        steps[depth] = lambda model=model, opt=opt: train_step(model, opt, ids, max_norm=1.0)
-    per_phase = {"train": _rounds({d: _sampler(f, min_s, device) for d, f in steps.items()}, repeats)}
-    if kind not in ("ddp", "fsdp"):
-        for model in models.values():
-            model.eval()
-        per_phase["forward"] = _rounds({d: _sampler(lambda m=m: _forward(m, ids), min_s, device)
-                                        for d, m in models.items()}, repeats)
-        for b in batches:
-            tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
-            for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
-                one = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, 1, engine=e), min_s, device)
-                       for d, m in models.items()}
-                many = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, new, engine=e), min_s, device)
-                        for d, m in models.items()}
-                both = _rounds({**{("one", d): f for d, f in one.items()}, **{("many", d): f for d, f in many.items()}},
-                               repeats)
-                per_phase[key + tag] = {d: [(n - o) / (new - 1) for o, n in zip(both[("one", d)], both[("many", d)])]
-                                        for d in layers}
-                if engine == "auto":
-                    per_phase["prefill" + tag] = {d: both[("one", d)] for d in layers}
-    out = {}
-    for phase, by_depth in per_phase.items():
-        slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
-        intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
-        out[phase] = (max(0.0, statistics.median(slopes)), max(0.0, statistics.median(intercepts)))
-    return out
-
-
-def _rounds(samplers: dict, repeats: int) -> dict:
-    """``{key: [sample per round]}``: every sampler once a round, ``repeats`` rounds, the order
-    rotating (:func:`~tensorpar.bench.timing.round_order`) so that none always runs first."""
-    out = {k: [] for k in samplers}
-    for i in range(repeats):
-        for k in round_order(list(samplers), i):
-            out[k].append(samplers[k]())
-    return out
-
-
-def _forward(model, ids):
-    with torch.no_grad():
-        model(ids)
-
-
 # ---- collectives ----------------------------------------------------------------------------------
 
 def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
@@ -299,67 +142,6 @@ def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
                 out[transport][op][p] = [(n, time_collective(op, n, group, ranks, repeats=repeats, device=device))
                                          for n in payloads]
     return out
-
-
-# ---- the wait for the slower rank ------------------------------------------------------------------
-
-WAIT_SHAPE, WAIT_M = (1408, 512), (1, 8, 64, 512)  # one weight of the grid, segments of ~0.1 to ~10 ms
-
-
-def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M, work=None) -> dict:
-    """``{p: [[segment_s, with_collective_s]]}`` for groups of the first ``p`` ranks, ``p`` from 2
-    to the world: every member runs a GEMM (``m`` rows of ``WAIT_SHAPE``, cold weights, as
-    :func:`gemm_points`; ``work(m)``, where given, makes the call instead) then an 8-byte
-    all-reduce over ``transport``, back to back, and the same GEMMs without the all-reduce, in
-    paired rounds (each loop first in every other round); the slowest rank's median time of the
-    GEMM alone (``segment_s``), and that plus the median over rounds of the loop's time per GEMM
-    with the collective less the slowest rank's without. The loop with the collective runs at the
-    pace of whichever rank is slower at each call, so it costs more than the slowest rank's median
-    and the collective's own latency: the wait for the slower rank, which grows with the noise of
-    the work between two collectives and with the group (:func:`collective_wait`)."""
-    n, k = WAIT_SHAPE
-    weights = []
-    if work is None:
-        copies = max(1, COLD_BYTES // (n * k * 4))
-        weights = [torch.randn(n, k, device=device) for _ in range(copies)]
-
-        def work(m):
-            x, turn = torch.randn(m, k, device=device), iter(range(1 << 62))
-            return lambda: F.linear(x, weights[next(turn) % copies])
-    out = {}
-    for p in range(2, dist.get_world_size() + 1):
-        group = dist.new_group(list(range(p)), backend=transport)
-        if dist.get_rank() >= p:
-            continue
-        out[p] = [_wait_point(work(m), group, repeats, device) for m in m_sizes]
-    return out
-
-
-def _wait_point(gemm, group, repeats: int, device) -> list:
-    flag = torch.zeros(2, device=device)
-
-    def synced():
-        gemm()
-        collectives.all_reduce(flag, group)
-    synced()
-    t0 = time.perf_counter()
-    gemm()
-    first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    collectives.all_reduce(first, group, op="max")
-    calls = max(4, min(400, int(0.02 / max(first.item(), 1e-6))))  # about 20 ms a sample
-    rounds = 2 * repeats + 1  # paired: each round's two loops ran within ~40 ms of each other
-    times = torch.zeros(2, rounds, dtype=torch.float64)
-    for i in range(rounds):
-        for j, fn in ((0, gemm), (1, synced))[::1 if i % 2 else -1]:  # each first in every other round
-            barrier(group)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            times[j, i] = (time.perf_counter() - t0) / calls
-    collectives.all_reduce(times, group, op="max")  # the slowest rank's work alone; the loop with the collective
-    seg = statistics.median(times[0].tolist())
-    return [seg, seg + statistics.median((times[1] - times[0]).tolist())]
 
 
 # ---- the job --------------------------------------------------------------------------------------
@@ -447,22 +229,6 @@ def _args(kw: dict) -> tuple:
 
 
 WIDTH = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
-
-
-def collective_wait(points: dict | None, links: dict) -> dict:
-    """``{transport: {p: {"points": [[segment_s, wait_s]], "measured"}}}``: the wait at a
-    collective of ``p`` ranks for the slower rank (and for a blocked rank to wake) by the length
-    of the work before it: :func:`wait_points`' loop with the collective, less the slowest rank's
-    work and the collective's fitted latency ``alpha`` at that size (what the estimate does not
-    count otherwise), at least 0; empty where not measured."""
-    out = {}
-    for tr, by_size in (points or {}).items():
-        out[tr] = {}
-        for p, pts in by_size.items():
-            alpha = links[tr].ops["all_reduce"][str(p)]["alpha_s"]
-            out[tr][str(p)] = {"points": [[seg, max(0.0, both - seg - alpha)] for seg, both in sorted(pts)],
-                               "measured": [[seg, both] for seg, both in sorted(pts)]}
-    return out
 
 
 def _bandwidth(link: Link) -> float:

@@ -58,7 +58,8 @@ from .schedules import bubble_fraction
 from tensorpar.architecture.pipeline import stages_of_rank
 
 from .stages import Stages, blocks, layers_of
-from .timing import on_one_node
+from .estimate_comm import (_bucket_copies, _largest_dp_payload, _last_bucket, _sharded_copies, comm_seconds,
+                            tp_wait_seconds)
 
 
 @dataclass(frozen=True)
@@ -204,37 +205,6 @@ def _body(split: SplitModel, stage: _Stage) -> _Stage:
     return _Stage(stage.names - heads, stage.layers, stage.blocks, False, stage.ids)
 
 
-# ---- collectives ---------------------------------------------------------------------------------
-
-def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
-    """Seconds of ``items`` by group (``tp``, ``pp``, ``dp``; the tied-embedding group counts as dp)."""
-    out = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-    for it in items:
-        local, _ = on_one_node(it, placement, pp)
-        link = profile.link(local)
-        if it.op == "send":
-            one = link.seconds("send", it.bytes_sent_per_device, 2)
-        else:
-            one = link.seconds(it.op, it.payload_bytes, it.group_size)
-        out["pp" if it.group == "pp" else "dp" if it.group in ("dp", "embedding") else "tp"] += it.count * one
-    return out
-
-
-def tp_wait_seconds(items, work_s: float, placement: dict, pp: int, profile: Profile) -> float:
-    """The wait at the tensor-parallel collectives for the slower rank: each of the ``items``'
-    synchronizing calls (all but pipeline sends and data-parallel ones) after an equal share of
-    ``work_s``, the rank's work between them, at the profile's measured wait for work of that
-    length over the call's link (:meth:`.Profile.wait_s`). Only on a synchronous host: a GPU's
-    kernels queue."""
-    tp = [it for it in items if it.group not in ("pp", "dp", "embedding") and it.op != "send"]
-    calls = sum(it.count for it in tp)
-    if not calls or not profile.synchronous or work_s <= 0:
-        return 0.0
-    segment = work_s / calls
-    return sum(it.count * profile.wait_s(segment, profile.link(on_one_node(it, placement, pp)[0]).name, it.group_size)
-               for it in tp)
-
-
 def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Profile, runtime: Runtime):
     """One microbatch's forward and backward work through ``stage`` on its busiest tp rank:
     ``(terms, seconds, tp rank)``."""
@@ -290,10 +260,6 @@ def _bubble(stage_seconds: list, pp_rank: int, m: int, f: float) -> float:
     return f / (1.0 - f) * m * sum(others) / len(others)
 
 
-def _largest_dp_payload(items) -> float:
-    return max((it.payload_bytes for it in items if it.group in ("dp", "embedding")), default=0.0)
-
-
 # ---- a training step -----------------------------------------------------------------------------
 
 def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, placement: dict,
@@ -342,27 +308,6 @@ def optimizer_seconds_per_param(profile: Profile, runtime: Runtime) -> float:
     if profile.optimizer_s_per_param is not None and runtime.optimizer == "torch-adamw":
         return profile.optimizer_s_per_param
     return runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
-
-
-def _sharded_copies(items, profile: Profile) -> float:
-    """FSDP and ZeRO copy each gathered or reduced buffer in and out (parameters into the
-    all-gather's buffer and out to the unit, gradients into the reduce-scatter's): two passes of
-    its bytes through memory, read and written."""
-    moved = sum(it.count * it.payload_bytes for it in items
-                if it.group == "dp" and it.op in ("all_gather", "reduce_scatter"))
-    return 4.0 * moved / profile.memory_bytes_per_s
-
-
-def _bucket_copies(items, profile: Profile) -> float:
-    """DDP copies each gradient into its bucket before the all-reduce and back after it: two
-    passes of the reduced bytes through memory, read and written."""
-    moved = sum(it.count * it.payload_bytes for it in items if it.group == "dp" and it.op == "all_reduce")
-    return 4.0 * moved / profile.memory_bytes_per_s
-
-
-def _last_bucket(items, bucket_bytes: float):
-    it = max((i for i in items if i.group in ("dp", "embedding")), key=lambda i: i.payload_bytes)
-    return replace(it, payload_bytes=min(it.payload_bytes, bucket_bytes), count=1)
 
 
 def _rank_params(split: SplitModel, st: Stages, stage: _Stage, rank: int, layout) -> float:
