@@ -71,13 +71,13 @@ def _plan(capsys, *argv) -> tuple[int, dict]:
 
 
 def _check_ranking(r: dict) -> list:
-    """Every layout of 16 devices once, feasible first in the order of the bound, each with memory
-    and collectives, each rejection with its reason; the feasible ones."""
+    """Every layout of 16 devices once, feasible first in the order of the estimate, each with
+    memory and collectives, each rejection with its reason; the feasible ones."""
     rows = r["candidates"]
     assert {(c["tp"], c["pp"], c["dp"]) for c in rows} == LAYOUTS
     feasible = [c for c in rows if c["feasible"]]
     assert rows[:len(feasible)] == feasible and r["best"] == (feasible[0] if feasible else None)
-    assert [c["bound_s"] for c in feasible] == sorted(c["bound_s"] for c in feasible)
+    assert [c["estimate_s"] for c in feasible] == sorted(c["estimate_s"] for c in feasible)
     for c in feasible:  # 16 devices: every layout communicates; nothing fits that exceeds 80 GB
         assert 0 < c["memory_per_device_bytes"] <= 80e9 and c["comm_bytes_per_device_per_step"] > 0, c
         assert 0 < c["bound_s"] <= c["estimate_s"], c

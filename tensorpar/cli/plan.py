@@ -77,7 +77,7 @@ def add_parser(subparsers) -> None:
     hw.add_argument("--intra-node-link", help="which of the preset's links joins a node (nvlink, pcie)")
     hw.add_argument("--devices-per-node", type=int)
     o = p.add_argument_group("search and output")
-    o.add_argument("--search", action="store_true", help="rank every tp x pp x dp of --devices")
+    o.add_argument("--search", action="store_true", help="rank every tp x pp x dp of --devices by its estimated time")
     o.add_argument("--devices", type=int, help="device count (required with --search; checked against tp x pp x dp)")
     o.add_argument("--kv-link", default="inter-node", help="link for the KV transfer time: inter-node, "
                    "intra-node, a preset link name, or GB/s (default inter-node)")
