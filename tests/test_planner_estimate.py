@@ -294,6 +294,18 @@ def test_profile_json_round_trip_and_refusals(tmp_path):
     assert json.loads(json.dumps(d)) == d
 
 
+def test_a_profile_from_an_older_calibrate_is_named_in_the_warnings():
+    """A host profile without the wait or the optimizer's rate still plans, and says what it lacks."""
+    host = dataclasses.replace(_flat(), source="tensorpar calibrate", synchronous=True)
+    lay, m = Layout(micro_batch=1, dtype="fp32"), get_model("megatron-1.2b")
+    old = plan(m, lay, host.hardware, profile=host, seq=64)
+    assert any("lacks collective_wait, optimizer_s_per_param" in w for w in old.warnings)
+    new = dataclasses.replace(host, optimizer_s_per_param=3e-9,
+                              collective_wait={"flat": {"2": {"points": [[1e-4, 1e-5]]}}})
+    assert not any("lacks" in w for w in plan(m, lay, host.hardware, profile=new, seq=64).warnings)
+    assert not any("lacks" in w for w in plan(m, lay, get_hardware("h100-sxm"), seq=64).warnings)  # a preset
+
+
 def test_a_custom_device_is_estimated_in_every_dtype():
     """A device given by its figures alone (no TF32 peak) still gets fp32 and fp64 estimates (the
     decode suite plans its measured host this way)."""
