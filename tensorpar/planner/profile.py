@@ -217,6 +217,16 @@ class Profile:
                 return wa + (wb - wa) * (segment_s - a) / (b - a) if b > a else wb
         return w1
 
+    def warnings(self) -> list[str]:
+        """A host profile from an older ``tensorpar calibrate`` lacks figures the estimates now use."""
+        if self.source != "tensorpar calibrate" or not self.synchronous:
+            return []
+        missing = [name for name, value in (("collective_wait", self.collective_wait),
+                                            ("optimizer_s_per_param", self.optimizer_s_per_param)) if not value]
+        return [f"the profile {self.name!r} lacks {', '.join(missing)} (written by an older tensorpar calibrate): "
+                f"its estimates leave out the wait at tp collectives for the slower rank and price the optimizer "
+                f"by bytes; run tensorpar calibrate again"] if missing else []
+
     def link(self, local: bool) -> Link:
         return self.links[self.intra_link if local else self.inter_link]
 

@@ -149,7 +149,7 @@ def plan(model, layout: Layout, hardware: Hardware, *, kv_link: str | float = "i
     profile = profile or published(hardware)
     if latency_s is not None:
         profile = with_latency(profile, latency_s)
-    report.warnings += _profile_warnings(profile)
+    report.warnings += profile.warnings()
     ctx = _Ctx(split, stages(split, layout.pp * layout.virtual_stages), layout, hardware, seq,
                group_placement(layout, hardware.devices_per_node), hardware.intra_node_bytes_per_s,
                hardware.inter_node_bytes_per_s, hardware.peak_flops(layout.dtype), profile,
@@ -188,17 +188,6 @@ def _split_at(src: ModelSource, tp: int, report: PlanReport) -> SplitModel | Non
             raise
         report.reasons.append(str(exc))
         return None
-
-
-def _profile_warnings(profile) -> list[str]:
-    """A host profile from an older ``tensorpar calibrate`` lacks figures the estimates now use."""
-    if profile.source != "tensorpar calibrate" or not profile.synchronous:
-        return []
-    missing = [name for name, value in (("collective_wait", profile.collective_wait),
-                                        ("optimizer_s_per_param", profile.optimizer_s_per_param)) if not value]
-    return [f"the profile {profile.name!r} lacks {', '.join(missing)} (written by an older tensorpar calibrate): "
-            f"its estimates leave out the wait at tp collectives for the slower rank and price the optimizer by "
-            f"bytes; run tensorpar calibrate again"] if missing else []
 
 
 def _schedule_warnings(split: SplitModel, layout: Layout) -> list[str]:
