@@ -58,8 +58,7 @@ from .schedules import bubble_fraction
 from tensorpar.architecture.pipeline import stages_of_rank
 
 from .stages import Stages, blocks, layers_of
-from .estimate_comm import (_bucket_copies, _largest_dp_payload, _last_bucket, _sharded_copies, comm_seconds,
-                            tp_wait_seconds)
+from .estimate_comm import _dp_copies, _largest_dp_payload, _last_bucket, comm_seconds, tp_wait_seconds
 
 
 @dataclass(frozen=True)
@@ -286,8 +285,8 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
         terms["bubble_s"] = _bubble(stage_seconds, pp_rank, m, f)
     else:
         terms["bubble_s"] = 0.0
-    dp = comm["dp"] + _sharded_copies(items, profile) + (_bucket_copies(items, profile) if runtime.dp_bucket_copies
-                                                         else 0.0)
+    copied = ("all_gather", "reduce_scatter") + (("all_reduce",) if runtime.dp_bucket_copies else ())
+    dp = comm["dp"] + _dp_copies(items, profile, copied)
     if runtime.dp_overlap and dp > 0:
         backward = 2.0 / 3.0 * m * per_micro
         last = min(dp, comm_seconds([_last_bucket(items, runtime.bucket_bytes)], placement, layout.pp,

@@ -10,6 +10,11 @@ from .profile import Profile
 from .timing import on_one_node
 
 
+def group_of(item) -> str:
+    """The group an item's time counts under: ``pp``, ``dp`` (the tied-embedding group with it) or ``tp``."""
+    return "pp" if item.group == "pp" else "dp" if item.group in ("dp", "embedding") else "tp"
+
+
 def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
     """Seconds of ``items`` by group (``tp``, ``pp``, ``dp``; the tied-embedding group counts as dp)."""
     out = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
@@ -20,7 +25,7 @@ def comm_seconds(items, placement: dict, pp: int, profile: Profile) -> dict:
             one = link.seconds("send", it.bytes_sent_per_device, 2)
         else:
             one = link.seconds(it.op, it.payload_bytes, it.group_size)
-        out["pp" if it.group == "pp" else "dp" if it.group in ("dp", "embedding") else "tp"] += it.count * one
+        out[group_of(it)] += it.count * one
     return out
 
 
@@ -30,7 +35,7 @@ def tp_wait_seconds(items, work_s: float, placement: dict, pp: int, profile: Pro
     ``work_s``, the rank's work between them, at the profile's measured wait for work of that
     length over the call's link (:meth:`.Profile.wait_s`). Only on a synchronous host: a GPU's
     kernels queue."""
-    tp = [it for it in items if it.group not in ("pp", "dp", "embedding") and it.op != "send"]
+    tp = [it for it in items if group_of(it) == "tp" and it.op != "send"]
     calls = sum(it.count for it in tp)
     if not calls or not profile.synchronous or work_s <= 0:
         return 0.0
@@ -43,19 +48,12 @@ def _largest_dp_payload(items) -> float:
     return max((it.payload_bytes for it in items if it.group in ("dp", "embedding")), default=0.0)
 
 
-def _sharded_copies(items, profile: Profile) -> float:
-    """FSDP and ZeRO copy each gathered or reduced buffer in and out (parameters into the
-    all-gather's buffer and out to the unit, gradients into the reduce-scatter's): two passes of
-    its bytes through memory, read and written."""
-    moved = sum(it.count * it.payload_bytes for it in items
-                if it.group == "dp" and it.op in ("all_gather", "reduce_scatter"))
-    return 4.0 * moved / profile.memory_bytes_per_s
-
-
-def _bucket_copies(items, profile: Profile) -> float:
-    """DDP copies each gradient into its bucket before the all-reduce and back after it: two
-    passes of the reduced bytes through memory, read and written."""
-    moved = sum(it.count * it.payload_bytes for it in items if it.group == "dp" and it.op == "all_reduce")
+def _dp_copies(items, profile: Profile, ops: tuple) -> float:
+    """Two passes through memory, read and written, of the bytes the data-parallel ``ops`` move:
+    FSDP and ZeRO copy each gathered or reduced buffer in and out (``all_gather``,
+    ``reduce_scatter``: parameters into the all-gather's buffer and out to the unit, gradients into
+    the reduce-scatter's); PyTorch's DDP each gradient into its bucket and back (``all_reduce``)."""
+    moved = sum(it.count * it.payload_bytes for it in items if it.group == "dp" and it.op in ops)
     return 4.0 * moved / profile.memory_bytes_per_s
 
 

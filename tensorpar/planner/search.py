@@ -1,8 +1,8 @@
 """Search tp x pp x dp for a device count: reject the infeasible with reasons, rank the rest, explain.
 
 Ranking: by the estimate (training: the step time; inference: the decode latency per token), the
-time the planner expects, checked within 20% against published runs and this machine's
-(docs/planner.md); ties, and layouts without an estimate, by the lower bound. The bound is a floor,
+time the planner expects (within 20% of every published run checked; this machine's runs beside
+it: docs/bench/estimates.md); ties, and layouts without an estimate, by the lower bound. The bound is a floor,
 loose by up to 4x, and the same for many layouts of one device count (their compute bound is
 equal), so it cannot tell them apart; the explanation names the layout with the lowest bound when
 the estimate ranks it lower. The rules the explanation states are Narayanan et al. 2021's (Sec.
