@@ -619,3 +619,22 @@ def sigterm_worker():
     """Whether SIGTERM has its default action in this rank, and the rank's parent."""
     import signal
     return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, os.getppid()
+
+
+def freed_memory_worker(blocks: int = 12, mib: int = 8):
+    """The rank's setting, what its allocator was set to, and the page faults of filling
+    ``blocks`` blocks of ``mib`` MiB after they were filled and freed three times (as a training
+    step frees and allocates its buffers every step). A rank that keeps its freed memory
+    (:mod:`tensorpar.distributed.host_memory`) takes next to none. Under glibc's defaults the count
+    depends on the heap's history (whether small blocks pin its top against a trim), from none to
+    every page: not a figure a test can hold."""
+    import resource
+    from tensorpar.distributed import host_memory, settings
+    for _ in range(3):
+        held = [torch.ones(mib << 18) for _ in range(blocks)]
+        del held
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    held = [torch.ones(mib << 18) for _ in range(blocks)]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del held
+    return settings.host_memory(), host_memory._applied, faults

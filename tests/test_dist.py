@@ -602,6 +602,7 @@ ENV_ERRORS = [
     ("TENSORPAR_MAX_LOCAL_RANKS", "0", "valid: an integer from 1 to 1048576 (or unset)"),
     ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "1", "valid: a number of seconds >= 3 (or unset)"),
     ("TENSORPAR_TRACEBACK", "yes", "valid: 0, 1 (or unset)"),
+    ("TENSORPAR_HOST_MEMORY", "never", "valid: keep, system (or unset)"),
 ]
 
 
@@ -620,13 +621,15 @@ def test_tensorpar_variables_are_read_as_documented(monkeypatch):
                                 ("TENSORPAR_SHM_SLOT_BYTES", "65536", 65536), ("TENSORPAR_SHM_SLOT_BYTES", "", 1 << 20),
                                 ("TENSORPAR_CHECK_COLLECTIVES", "1", True), ("TENSORPAR_CHECK_COLLECTIVES", "0", False),
                                 ("TENSORPAR_RENDEZVOUS_TIMEOUT", "2.5", 2.5), ("TENSORPAR_RENDEZVOUS_TIMEOUT", "", 30.0),
-                                ("TENSORPAR_MAX_LOCAL_RANKS", "12", 12), ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "600", 600.0)]:
+                                ("TENSORPAR_MAX_LOCAL_RANKS", "12", 12), ("TENSORPAR_UNRESPONSIVE_TIMEOUT", "600", 600.0),
+                                ("TENSORPAR_HOST_MEMORY", "", "keep"), ("TENSORPAR_HOST_MEMORY", " System", "system")]:
         monkeypatch.setenv(name, value)
         reader = {"TENSORPAR_TRANSPORT": settings.transport, "TENSORPAR_SHM_SLOT_BYTES": settings.shm_slot_bytes,
                   "TENSORPAR_CHECK_COLLECTIVES": settings.check_collectives,
                   "TENSORPAR_RENDEZVOUS_TIMEOUT": settings.rendezvous_timeout,
                   "TENSORPAR_MAX_LOCAL_RANKS": settings.max_local_ranks,
-                  "TENSORPAR_UNRESPONSIVE_TIMEOUT": settings.unresponsive_timeout}[name]
+                  "TENSORPAR_UNRESPONSIVE_TIMEOUT": settings.unresponsive_timeout,
+                  "TENSORPAR_HOST_MEMORY": settings.host_memory}[name]
         assert reader() == expect, (name, value)
     # every variable the package reads that changes how ranks run goes through one checked reader
     import re
@@ -776,6 +779,41 @@ def test_the_fork_server_outlives_a_sigterm_to_the_process_group():
     time.sleep(0.5)
     again = dist.launch(W.sigterm_worker, 2)
     assert {ppid for _, ppid in again} == {server}, "the fork server died of SIGTERM"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="page faults counted by getrusage on Linux; glibc's mallopt")
+def test_a_rank_keeps_the_host_memory_it_frees_unless_told_otherwise(monkeypatch):
+    """A rank reuses what it freed (a training step frees and allocates its activations and
+    gradients every step): filling 12 blocks of 8 MiB again after freeing them takes next to no
+    page faults (12 x 2048 pages were there to fault). TENSORPAR_HOST_MEMORY=system leaves the
+    allocator alone. Catches: the launcher not setting it in the rank, or setting it against the
+    variable."""
+    monkeypatch.delenv("TENSORPAR_HOST_MEMORY", raising=False)
+    kept = dist.launch(W.freed_memory_worker, 2)
+    assert all(how == applied == "keep" and faults < 1024 for how, applied, faults in kept), kept
+    monkeypatch.setenv("TENSORPAR_HOST_MEMORY", "system")
+    system = dist.launch(W.freed_memory_worker, 2)
+    assert all(how == "system" and applied is None for how, applied, _ in system), system
+
+
+def test_keeping_freed_memory_sets_glibcs_threshold_and_never_trims(monkeypatch):
+    """What keep_freed_memory asks of mallopt: blocks up to 32 MiB from the heap (larger ones
+    fragment it), no trim; False where mallopt refuses or is absent, or the variable says system.
+    Catches: a threshold above 32 MiB, a trim left on, a refusal reported as kept."""
+    from tensorpar.distributed import host_memory as hm
+    calls = []
+    for answer, expect in ((1, True), (0, False)):
+        monkeypatch.setattr(hm, "_applied", None)
+        monkeypatch.setattr(hm, "_mallopt", lambda a=answer: lambda p, v: calls.append((p, v)) or a)
+        assert hm.keep_freed_memory() is expect
+    assert calls == [(hm.M_MMAP_THRESHOLD, 32 << 20), (hm.M_TRIM_THRESHOLD, 2 ** 31 - 1),
+                     (hm.M_MMAP_THRESHOLD, 32 << 20)], calls
+    monkeypatch.setattr(hm, "_applied", None)
+    monkeypatch.setattr(hm, "_mallopt", lambda: None)
+    assert hm.keep_freed_memory() is False
+    monkeypatch.setenv("TENSORPAR_HOST_MEMORY", "system")
+    monkeypatch.setattr(hm, "_mallopt", lambda: pytest.fail("mallopt called under TENSORPAR_HOST_MEMORY=system"))
+    assert hm.keep_freed_memory() is False
 
 
 def test_ranks_start_from_the_fork_server_with_the_launchers_environment_now(monkeypatch):

@@ -160,11 +160,7 @@ def _train_cases(dense, ids) -> dict:
 
 def _train_samples(cases: dict, repeats: int, before) -> dict:
     """Each training case's samples, one case at a time: its model built, ``repeats`` steps timed
-    after two of warm-up, then freed, as a training job runs one model. Interleaved with the
-    others, a step would run after other models' steps had freed (and the C allocator returned
-    to the system) the memory it reuses: FSDP's per-step buffers then come back as fresh pages,
-    85 MB of page faults a step and about 1.35x its step time on this VM, a cost of the suite
-    and not of FSDP (measured: docs/benchmarks.md)."""
+    after two of warm-up, then freed, as a training job runs one model."""
     out = {}
     for name, (_, build) in cases.items():
         step = build()

@@ -48,7 +48,7 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as tdist
 
-from tensorpar.distributed import flight, liveness, preflight, settings
+from tensorpar.distributed import flight, host_memory, liveness, preflight, settings
 from tensorpar.distributed.monitor import (LaunchTimeoutError, MismatchedCollectivesError, Monitor, RankFailedError,
                                     RankStuckError, RankUnresponsiveError)
 from tensorpar.distributed.reaper import Reaper
@@ -322,6 +322,7 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
         liveness.start_heartbeat(beat)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    host_memory.keep_freed_memory()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed as tdist
 
-from tensorpar.distributed import settings, shm
+from tensorpar.distributed import host_memory, settings, shm
 from tensorpar.distributed.reaper import sweep_dead
 
 BACKENDS = ("auto", "shm", "gloo", "nccl")
@@ -68,6 +68,7 @@ def init_from_env(backend: str = "auto", timeout: float = 120.0) -> tuple[int, i
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world_size}{_LEFTOVER}")
     if not tdist.is_initialized():
+        host_memory.keep_freed_memory()
         backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -109,13 +109,20 @@ def start_method() -> str:
     return _choice("TENSORPAR_START_METHOD", ("forkserver", "spawn"), "forkserver")
 
 
+def host_memory() -> str:
+    """``TENSORPAR_HOST_MEMORY``: ``keep`` (default: a rank keeps the host memory it frees for its
+    next allocation, :mod:`tensorpar.distributed.host_memory`) or ``system`` (the C library's
+    defaults: freed blocks go back to the kernel and come back as page faults)."""
+    return _choice("TENSORPAR_HOST_MEMORY", ("keep", "system"), "keep")
+
+
 def traceback() -> bool:
     """``TENSORPAR_TRACEBACK``: ``1`` makes the command line print a failed rank's traceback."""
     return _choice("TENSORPAR_TRACEBACK", ("0", "1"), "0") == "1"
 
 
 READERS = (transport, shm_slot_bytes, check_collectives, rendezvous, rendezvous_timeout, max_local_ranks,
-           unresponsive_timeout, start_method, traceback)
+           unresponsive_timeout, start_method, host_memory, traceback)
 
 
 def check_all() -> None:
