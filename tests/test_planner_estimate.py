@@ -129,6 +129,29 @@ def test_training_step_counts_forward_backward_and_recompute():
     assert body["gemm_s"] < one["gemm_s"]  # the head is not recomputed
 
 
+def test_elementwise_work_counts_the_runtimes_accesses_each_way():
+    """Each kept activation element is read or written by the elementwise work the runtime's
+    ``(forward, backward)`` times: PyTorch's eager modules (3.5, 8.5), fused kernels (2, 4). The
+    forward's bytes grow by 1.5 kept elements from 2 to 3.5 (0.75 of what 2 more add), and a
+    step's term is the forward's times (f + b) / f. Catches: the runtime's count dropped in
+    forward, or the backward taken as twice the forward."""
+    m, prof = get_model("megatron-1.2b"), _flat()
+    split = source_of(m).at(1)
+    whole = est._whole(split)
+    kw = dict(batch=2, seq=256, keys=256.0, e=4, dtype="fp32", profile=prof)
+
+    def forward(accesses):
+        runtime = dataclasses.replace(est.ON_CPU, elementwise_accesses=accesses)
+        return est.forward_terms(split, whole, 0, runtime=runtime, **kw)["elementwise_s"]
+    assert est.ON_CPU.elementwise_accesses == est.ON_GPU.elementwise_accesses == est.EAGER_ELEMENTWISE == (3.5, 8.5)
+    assert est.MEGATRON_2021.elementwise_accesses == est.MEGATRON_2020.elementwise_accesses == (2.0, 4.0)
+    assert forward((3.5, 8.5)) > forward((2.0, 4.0)) > 0
+    assert (forward((3.5, 8.5)) - forward((2.0, 4.0))) == pytest.approx(0.75 * (forward((4.0, 8.0)) - forward((2.0, 4.0))))
+    step = plan(m, Layout(micro_batch=2, dtype="fp32"), get_hardware("h100-sxm"), profile=prof, seq=256,
+                runtime=est.ON_CPU).estimates["step"]["terms"]["elementwise_s"]
+    assert step == pytest.approx(forward((3.5, 8.5)) * (3.5 + 8.5) / 3.5)
+
+
 def test_terms_sum_to_the_estimate_and_the_bubble_is_the_other_stages_filling_the_pipeline():
     """1F1B, 4 stages: the busiest rank (the last: it holds the head) waits while the other
     stages fill and drain the pipeline, (p - 1) microbatches of *their* work whatever m (the same

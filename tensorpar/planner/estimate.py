@@ -13,10 +13,12 @@ from the split model's own records and a :class:`~.profile.Profile` of achieved 
   The keys and values are read once per layer (grouped heads share them): at decode, reading the
   K/V cache is most of the work.
 - **elementwise work** (``elementwise_s``): norms, activations, residual adds, rotary, dropout,
-  softmax. Each tensor a block keeps for backward (Korthikanti et al. 2022's count, the split's
-  ``activations``) is written once and read once by such work in forward, twice in backward;
-  unfused attention adds its score tensors (softmax, mask, dropout: 4 passes each way, 5 with
-  dropout). Bytes over the achieved memory bandwidth.
+  softmax. Each element of a tensor a block keeps for backward (Korthikanti et al. 2022's count,
+  the split's ``activations``) is read or written by such work the runtime's
+  ``elementwise_accesses`` times in forward and in backward (:class:`Runtime`): with fused
+  kernels (Megatron's) written once and read once in forward, twice each in backward; PyTorch's
+  eager modules make more passes. Unfused attention adds its score tensors (softmax, mask,
+  dropout: 4 passes each way, 5 with dropout). Bytes over the achieved memory bandwidth.
 - **fixed cost** (``fixed_s``): ``block_call_s`` per block call and ``step_call_s`` per step
   (embedding, head, loop) from the profile, measured under the layout's data-parallel engine
   where the profile has it (FSDP's hooks and sharded optimizer cost more per block than DDP's). On a synchronous host (CPU) it adds to the work; on
@@ -71,7 +73,9 @@ class Runtime:
     ``calibrate`` times); ``dp_overlap``: whether data-parallel gradient reduction runs during the
     backward; ``bucket_bytes``: its bucket size (the last bucket cannot overlap);
     ``dp_bucket_copies``: whether DDP copies each gradient into its bucket and back (PyTorch's
-    DDP without ``gradient_as_bucket_view``; Megatron's own DDP reduces a contiguous buffer).
+    DDP without ``gradient_as_bucket_view``; Megatron's own DDP reduces a contiguous buffer);
+    ``elementwise_accesses``: ``(forward, backward)`` reads and writes of each kept activation
+    element by the elementwise work (``(2, 4)``: fused kernels; :data:`EAGER_ELEMENTWISE`).
     """
     name: str
     attention: str = "fused"
@@ -80,15 +84,26 @@ class Runtime:
     bucket_bytes: float = 25 * 2**20
     optimizer: str | None = None
     dp_bucket_copies: bool = True
+    elementwise_accesses: tuple = (2.0, 4.0)
 
+
+# PyTorch's eager modules (Hugging Face's, as tensorpar runs them) read and write each kept
+# activation element about 3.5 times in forward and 8.5 in backward, not 2 and 4: an RMSNorm is a
+# square, a mean, a scale and a weight, rotary five passes over q and k, and autograd's backward of
+# each product two more. Counted with PyTorch's profiler per block of Hugging Face's Llama (2 x 128
+# tokens, float32, the slope over 1 and 6 blocks): the operands and results of every leaf op but
+# views and the attention kernel (its own term), 3.3 and 8.3 accesses per kept element, with the
+# norms' mean (which the leaf count misses: its sum has a child) 3.5 and 8.5.
+EAGER_ELEMENTWISE = (3.5, 8.5)
 
 # PyTorch's AdamW (its default: a loop over the tensors on a CPU, foreach on a GPU) with clipping, as
 # tensorpar.train_step runs it: about twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
 # its scaling and epsilon, the update; the norm and the clip): 96 bytes per parameter.
-ON_CPU = Runtime("tensorpar", optimizer="torch-adamw")
+ON_CPU = Runtime("tensorpar", optimizer="torch-adamw", elementwise_accesses=EAGER_ELEMENTWISE)
 # On a GPU the same code, with DDP's gradient buckets overlapping the backward (its reducer's
 # hooks fire per bucket as gradients are ready).
-ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True, optimizer="torch-adamw")
+ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True, optimizer="torch-adamw",
+                 elementwise_accesses=EAGER_ELEMENTWISE)
 # Megatron-LM as published in 2020 (README tables): unfused attention with dropout on the scores,
 # apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
 # fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
@@ -151,13 +166,13 @@ def _attention_seconds(split: SplitModel, layer_ids, rank: int, batch: int, quer
 
 
 def _elementwise_bytes(split: SplitModel, layer_ids, rank: int, tokens: float, keys: float, e: int,
-                       fused: bool) -> float:
-    """Forward bytes of elementwise work (see the module docstring)."""
+                       fused: bool, accesses: float = 2.0) -> float:
+    """Forward bytes of elementwise work, ``accesses`` of each kept element (the module docstring)."""
     total = 0.0
     for a in split.activations:
         if a.index not in layer_ids:
             continue
-        total += tokens * (2 * e * (a.replicated + a.sharded[rank]) + a.masks)
+        total += tokens * (accesses * e * (a.replicated + a.sharded[rank]) + a.masks)
         if not fused:
             passes = 5 if a.score_dropout else 4
             total += tokens * a.score_heads[rank] * keys * e * passes
@@ -194,8 +209,8 @@ def forward_terms(split: SplitModel, stage: _Stage, rank: int, *, batch: int, se
     tokens = float(batch * seq)
     return {"gemm_s": _gemm_seconds(split, stage.names, rank, tokens, e, profile, dtype, head_tokens=head_tokens),
             "attention_s": _attention_seconds(split, stage.layers, rank, batch, seq, keys, e, profile, dtype, fused),
-            "elementwise_s": _elementwise_bytes(split, stage.layers, rank, tokens, keys, e, fused)
-            / profile.memory_bytes_per_s}
+            "elementwise_s": _elementwise_bytes(split, stage.layers, rank, tokens, keys, e, fused,
+                                                runtime.elementwise_accesses[0]) / profile.memory_bytes_per_s}
 
 
 def _body(split: SplitModel, stage: _Stage) -> _Stage:
@@ -213,6 +228,8 @@ def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Pro
     for rank in range(split.tp):
         fwd = forward_terms(split, stage, rank, **kw)
         work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
+        forward, backward = runtime.elementwise_accesses  # the elementwise work: its own count
+        work["elementwise_s"] = fwd["elementwise_s"] * (forward + backward) / forward
         if layout.recompute == "full":
             again = forward_terms(split, _body(split, stage), rank, **kw)
             work = {k: work[k] + again[k] for k in work}
