@@ -375,6 +375,23 @@ def test_calibrate_fits_recover_known_figures():
     assert fit["alpha_s"] == pytest.approx(1.35e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
 
 
+def test_calibrate_takes_each_point_as_the_median_of_its_passes():
+    """The rates and the collectives are measured at the start, the middle and the end of a
+    calibration; each GEMM point, rate and collective point is the median of the passes that
+    measured it (gloo's latency moves 2-6x between windows of seconds on a shared host). Catches:
+    one pass's links kept, a mean, points of different payloads mixed."""
+    from tensorpar.bench.calibrate import _median_of_passes
+
+    def one(t, gemm=True):
+        return {"gemm": {"fp32": [[1, 8, 8, t]], **({"fp64": [[1, 8, 8, 2 * t]]} if gemm else {})},
+                "memory": 1e10 / t, "optimizer": t,
+                "links": {"gloo": {"all_reduce": {2: [(8, t), (4096, 10 * t)]}}}}
+    out = _median_of_passes([one(3.0), one(1.0, gemm=False), one(10.0, gemm=False)])
+    assert out["links"] == {"gloo": {"all_reduce": {2: [(8, 3.0), (4096, 30.0)]}}}
+    assert out["gemm"] == {"fp32": [[1, 8, 8, 3.0]], "fp64": [[1, 8, 8, 6.0]]}  # fp64: its one pass
+    assert out["memory"] == pytest.approx(1e10 / 3.0) and out["optimizer"] == 3.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--ranks", "1"], "--ranks (1) must be an integer >= 2"),
     (["calibrate", "--repeats", "2"], "--repeats 2: need at least 3"),

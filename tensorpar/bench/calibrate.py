@@ -2,9 +2,11 @@
 
 One launch of ``ranks`` processes, one thread each, every rank measuring at once (they share the
 cores and the memory bus, as they do in a run); each figure is the slowest rank's. The rates
-(GEMMs in the first dtype, memory, the optimizer) are measured at the start, the middle and the
-end of the run and each point is the median of the three: a shared host's speed moves within a
-minute, and a profile should hold its speed over the calibration, not at one moment.
+(GEMMs in the first dtype, memory, the optimizer) and the collectives are measured at the start,
+the middle and the end of the run and each point is the median of the three: a shared host's
+speed moves within a minute, and a profile should hold its speed over the calibration, not at
+one moment (gloo's latency on this project's VM moved from 0.3 to 1.9 ms at 2 KiB between
+windows of a few seconds).
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
   512, n and k from 128 to 1408), float32 and float64, each call on another copy of the weight
@@ -164,14 +166,14 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     def rates(dts):
         passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes, repeats, device) for k in dts},
                        "memory": memory_rate(repeats, device),
-                       "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)})
+                       "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
+                       "links": link_points(dist.get_world_size(), payloads, repeats, device)})
     first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
     rates(dtypes)
     mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     if not quick:
         rates([first])
-    mine["links"] = link_points(dist.get_world_size(), payloads, repeats, device)
     if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
         mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
                         for tr in ("shm", "gloo")}
@@ -183,14 +185,17 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
 
 
 def _median_of_passes(passes: list) -> dict:
-    """``{"gemm", "memory", "optimizer"}``: each GEMM point's, the memory and optimizer rates'
-    median over the passes that measured them."""
+    """``{"gemm", "memory", "optimizer", "links"}``: each GEMM point's, the memory and optimizer
+    rates', each collective point's median over the passes that measured them."""
     gemm = {}
     for k, pts in passes[0]["gemm"].items():
         mine = [p["gemm"][k] for p in passes if k in p["gemm"]]
         gemm[k] = [[*pt[:3], statistics.median(q[i][3] for q in mine)] for i, pt in enumerate(pts)]
+    links = {tr: {op: {p: [(n, statistics.median(q["links"][tr][op][p][i][1] for q in passes))
+                           for i, (n, _) in enumerate(pts)] for p, pts in by_size.items()}
+                  for op, by_size in ops.items()} for tr, ops in passes[0]["links"].items()}
     return {"gemm": gemm, "memory": statistics.median(p["memory"] for p in passes),
-            "optimizer": statistics.median(p["optimizer"] for p in passes)}
+            "optimizer": statistics.median(p["optimizer"] for p in passes), "links": links}
 
 
 def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:
