@@ -108,6 +108,11 @@ def test_measured_gemm_shapes_correct_the_formula_between_them():
     assert g.seconds(64, 512, 512, 4) == pytest.approx(base.seconds(64, 512, 512, 4))
     assert g.seconds(math.sqrt(8 * 64), 512, 512, 4) == pytest.approx(1.5 * base.seconds(math.sqrt(8 * 64), 512, 512, 4))
     assert g.seconds(1, 512, 512, 4) == pytest.approx(2 * base.seconds(1, 512, 512, 4))  # beyond the grid: the edge's
+    # nearest by n and by k, not by their product: a long, thin head shard is not a square of its size
+    long = Gemm(rate_flops=1e10, bytes_per_s=1e9, fixed_s=1e-6, fit={"bytes_per_elem": 4, "points": [
+        [8, 512, 512, 2 * base.formula(8, 512, 512, 4)], [8, 4096, 64, base.formula(8, 4096, 64, 4)]]})
+    assert long.seconds(8, 4000, 70, 4) == pytest.approx(base.seconds(8, 4000, 70, 4))
+    assert long.seconds(8, 600, 400, 4) == pytest.approx(2 * base.seconds(8, 600, 400, 4))
 
 
 def test_training_step_counts_forward_backward_and_recompute():

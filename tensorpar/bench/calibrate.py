@@ -9,7 +9,8 @@ one moment (gloo's latency on this project's VM moved from 0.3 to 1.9 ms at 2 Ki
 windows of a few seconds).
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
-  512, n and k from 128 to 1408), float32 and float64, each call on another copy of the weight
+  512, n from 128 to 4096 and k from 128 to 1408; float64 on five of them), float32 and float64, each
+  call on another copy of the weight
   (64 MiB of them: weights come from memory, as in a model's pass); fitted to
   ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
   relative error (the three coefficients enter linearly), with the fit's median and largest
@@ -52,7 +53,12 @@ from tensorpar.planner.profile import Gemm, Link, Profile
 
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}  # on the host; on a GPU fp32 and bf16
 M_SIZES = (1, 8, 64, 512)
-NK_SIZES = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
+# (n, k): square, narrow and wide around k = 512, long (a vocabulary's head shard) and 1024 square. The
+# estimate scales a shape by its nearest (n, k)'s measured ratio: a formula fitted on squares alone
+# put narrow (128 x 512) and long (4000 x 512) shards 10-18% under their measured time.
+NK_SIZES = ((128, 128), (128, 512), (256, 512), (512, 256), (512, 512), (768, 512), (512, 768), (1408, 512),
+            (512, 1408), (1024, 1024), (4096, 512))
+OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))  # the other dtypes' (float64: exactness runs)
 PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
 SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
 QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5,
@@ -164,7 +170,8 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     # speed over the calibration, not of one moment (a shared host's speed moves within a minute)
 
     def rates(dts):
-        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes, repeats, device) for k in dts},
+        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes if k == first else _other(nk_sizes),
+                                               repeats, device) for k in dts},
                        "memory": memory_rate(repeats, device),
                        "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
                        "links": link_points(dist.get_world_size(), payloads, repeats, device)})
@@ -182,6 +189,11 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     mine.update(_median_of_passes(passes))
     mine["seconds"] = time.perf_counter() - t0
     return dist.all_gather_object(mine)
+
+
+def _other(nk_sizes) -> tuple:
+    """The grid of the dtypes after the first: its shapes among ``OTHER_NK`` (all, if none is)."""
+    return tuple(nk for nk in nk_sizes if nk in OTHER_NK) or tuple(nk_sizes)
 
 
 def _median_of_passes(passes: list) -> dict:

@@ -44,8 +44,9 @@ class Gemm:
     """Achieved matrix-multiply figures of one dtype (see the module docstring). ``fit`` holds the
     fit's median and largest relative error and, measured, its ``points`` ``[m, n, k, seconds]``:
     the time of a shape is the formula's, scaled by the measured-over-formula ratio of the nearest
-    measured shapes (interpolated in log m between the two measured m around it, the nearest
-    ``n k`` at each), so that a regime the three figures miss (small m on a CPU) is as measured."""
+    measured shapes (interpolated in log m between the two measured m around it, at each the
+    nearest ``(n, k)`` by distance in ``log n`` and ``log k``), so that a regime the three figures
+    miss (small m on a CPU, a narrow or a long weight) is as measured."""
     rate_flops: float
     bytes_per_s: float
     fixed_s: float
@@ -58,16 +59,16 @@ class Gemm:
         """Seconds of ``calls`` multiplies of ``(m, k) @ (k, n)``."""
         if m <= 0 or n <= 0 or k <= 0:
             return 0.0
-        return calls * self.formula(m, n, k, bytes_per_elem) * self._ratio(m, n * k, bytes_per_elem)
+        return calls * self.formula(m, n, k, bytes_per_elem) * self._ratio(m, n, k, bytes_per_elem)
 
-    def _ratio(self, m: float, nk: float, e: int) -> float:
+    def _ratio(self, m: float, n: float, k: float, e: int) -> float:
         points = self.fit.get("points") or []
         if not points:
             return 1.0
         ratios = {}
-        for pm, pn, pk, t in points:  # per measured m: the ratio at the n k nearest the query's
+        for pm, pn, pk, t in points:  # per measured m: the ratio at the (n, k) nearest the query's
             r = t / self.formula(pm, pn, pk, self.fit.get("bytes_per_elem", e))
-            d = abs(math.log(pn * pk / nk))
+            d = math.hypot(math.log(pn / n), math.log(pk / k))  # a shape's efficiency is its n's and its k's
             if pm not in ratios or d < ratios[pm][0]:
                 ratios[pm] = (d, r)
         ms = sorted(ratios)
