@@ -136,10 +136,11 @@ def test_training_step_counts_forward_backward_and_recompute():
 
 def test_elementwise_work_counts_the_runtimes_accesses_each_way():
     """Each kept activation element is read or written by the elementwise work the runtime's
-    ``(forward, backward)`` times: PyTorch's eager modules (3.5, 8.5), fused kernels (2, 4). The
+    ``(forward, backward)`` times: PyTorch's eager modules (3.0, 7.6), fused kernels (2, 4). The
     forward's bytes grow by 1.5 kept elements from 2 to 3.5 (0.75 of what 2 more add), and a
-    step's term is the forward's times (f + b) / f. Catches: the runtime's count dropped in
-    forward, or the backward taken as twice the forward."""
+    step's term is (f + b) accesses of the kept elements and three passes of the rest (masks,
+    unfused scores: once forward, twice backward). Catches: the runtime's count dropped in
+    forward, the backward taken as twice the forward, the masks scaled by the accesses' ratio."""
     m, prof = get_model("megatron-1.2b"), _flat()
     split = source_of(m).at(1)
     whole = est._whole(split)
@@ -148,13 +149,20 @@ def test_elementwise_work_counts_the_runtimes_accesses_each_way():
     def forward(accesses):
         runtime = dataclasses.replace(est.ON_CPU, elementwise_accesses=accesses)
         return est.forward_terms(split, whole, 0, runtime=runtime, **kw)["elementwise_s"]
-    assert est.ON_CPU.elementwise_accesses == est.ON_GPU.elementwise_accesses == est.EAGER_ELEMENTWISE == (3.5, 8.5)
+    assert est.ON_CPU.elementwise_accesses == est.ON_GPU.elementwise_accesses == est.EAGER_ELEMENTWISE == (3.0, 7.6)
     assert est.MEGATRON_2021.elementwise_accesses == est.MEGATRON_2020.elementwise_accesses == (2.0, 4.0)
     assert forward((3.5, 8.5)) > forward((2.0, 4.0)) > 0
     assert (forward((3.5, 8.5)) - forward((2.0, 4.0))) == pytest.approx(0.75 * (forward((4.0, 8.0)) - forward((2.0, 4.0))))
-    step = plan(m, Layout(micro_batch=2, dtype="fp32"), get_hardware("h100-sxm"), profile=prof, seq=256,
-                runtime=est.ON_CPU).estimates["step"]["terms"]["elementwise_s"]
-    assert step == pytest.approx(forward((3.5, 8.5)) * (3.5 + 8.5) / 3.5)
+    kept = (forward((4.0, 8.0)) - forward((2.0, 4.0))) / 2  # one access to every kept element
+    rest = forward((2.0, 4.0)) - 2 * kept
+    for runtime in (est.ON_CPU, dataclasses.replace(est.MEGATRON_2021, dp_overlap=False)):
+        step = plan(m, Layout(micro_batch=2, dtype="fp32"), get_hardware("h100-sxm"), profile=prof, seq=256,
+                    runtime=runtime).estimates["step"]["terms"]["elementwise_s"]
+        f, b = runtime.elementwise_accesses
+        if runtime.attention == "fused":
+            assert step == pytest.approx((f + b) * kept + 3 * rest)
+        else:  # unfused: its score passes join the rest, three times over as before
+            assert step == pytest.approx(3 * est.forward_terms(split, whole, 0, runtime=runtime, **kw)["elementwise_s"])
 
 
 def test_terms_sum_to_the_estimate_and_the_bubble_is_the_other_stages_filling_the_pipeline():

@@ -88,13 +88,13 @@ class Runtime:
 
 
 # PyTorch's eager modules (Hugging Face's, as tensorpar runs them) read and write each kept
-# activation element about 3.5 times in forward and 8.5 in backward, not 2 and 4: an RMSNorm is a
+# activation element about 3 times in forward and 7.6 in backward, not 2 and 4: an RMSNorm is a
 # square, a mean, a scale and a weight, rotary five passes over q and k, and autograd's backward of
-# each product two more. Counted with PyTorch's profiler per block of Hugging Face's Llama (2 x 128
-# tokens, float32, the slope over 1 and 6 blocks): the operands and results of every leaf op but
-# views and the attention kernel (its own term), 3.3 and 8.3 accesses per kept element, with the
-# norms' mean (which the leaf count misses: its sum has a child) 3.5 and 8.5.
-EAGER_ELEMENTWISE = (3.5, 8.5)
+# each product two more. Counted by tools/elementwise_count.py with PyTorch's profiler over Hugging
+# Face's Llama (2 x 128 tokens, float32, the slope over 1 and 6 blocks): the operands and results
+# of every op that computes but views, GEMMs and the attention kernel (its own term), per access to
+# the elements the split's ``activations`` say a block keeps: 3.02 and 7.58.
+EAGER_ELEMENTWISE = (3.0, 7.6)
 
 # PyTorch's AdamW (its default: a loop over the tensors on a CPU, foreach on a GPU) with clipping, as
 # tensorpar.train_step runs it: about twelve elementwise passes over four-byte states (weight decay, two moments, the square root,
@@ -165,18 +165,21 @@ def _attention_seconds(split: SplitModel, layer_ids, rank: int, batch: int, quer
     return total
 
 
-def _elementwise_bytes(split: SplitModel, layer_ids, rank: int, tokens: float, keys: float, e: int,
-                       fused: bool, accesses: float = 2.0) -> float:
-    """Forward bytes of elementwise work, ``accesses`` of each kept element (the module docstring)."""
-    total = 0.0
+def _elementwise_parts(split: SplitModel, layer_ids, rank: int, tokens: float, keys: float, e: int,
+                       fused: bool) -> tuple[float, float]:
+    """``(kept, rest)`` bytes of the elementwise work in a forward (see the module docstring): one
+    access to every element a block keeps for backward (the runtime's count multiplies it), and
+    what else it moves (dropout masks; unfused attention's score passes)."""
+    kept = rest = 0.0
     for a in split.activations:
         if a.index not in layer_ids:
             continue
-        total += tokens * (accesses * e * (a.replicated + a.sharded[rank]) + a.masks)
+        kept += tokens * e * (a.replicated + a.sharded[rank])
+        rest += tokens * a.masks
         if not fused:
             passes = 5 if a.score_dropout else 4
-            total += tokens * a.score_heads[rank] * keys * e * passes
-    return total
+            rest += tokens * a.score_heads[rank] * keys * e * passes
+    return kept, rest
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,16 @@ def forward_terms(split: SplitModel, stage: _Stage, rank: int, *, batch: int, se
     tokens = float(batch * seq)
     return {"gemm_s": _gemm_seconds(split, stage.names, rank, tokens, e, profile, dtype, head_tokens=head_tokens),
             "attention_s": _attention_seconds(split, stage.layers, rank, batch, seq, keys, e, profile, dtype, fused),
-            "elementwise_s": _elementwise_bytes(split, stage.layers, rank, tokens, keys, e, fused,
-                                                runtime.elementwise_accesses[0]) / profile.memory_bytes_per_s}
+            "elementwise_s": _elementwise_seconds(split, stage.layers, rank, tokens, keys, e, fused, profile,
+                                                  runtime.elementwise_accesses[0], 1.0)}
+
+
+def _elementwise_seconds(split, layer_ids, rank, tokens, keys, e, fused, profile: Profile, accesses: float,
+                         rest_passes: float) -> float:
+    """The elementwise work's seconds: ``accesses`` of each kept element and ``rest_passes`` of
+    the rest (:func:`_elementwise_parts`) over the memory bandwidth."""
+    kept, rest = _elementwise_parts(split, layer_ids, rank, tokens, keys, e, fused)
+    return (accesses * kept + rest_passes * rest) / profile.memory_bytes_per_s
 
 
 def _body(split: SplitModel, stage: _Stage) -> _Stage:
@@ -228,8 +239,11 @@ def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Pro
     for rank in range(split.tp):
         fwd = forward_terms(split, stage, rank, **kw)
         work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
-        forward, backward = runtime.elementwise_accesses  # the elementwise work: its own count
-        work["elementwise_s"] = fwd["elementwise_s"] * (forward + backward) / forward
+        # the elementwise work by its own count: the runtime's accesses each way to the kept
+        # elements; the masks and score passes once forward, twice backward
+        work["elementwise_s"] = _elementwise_seconds(split, stage.layers, rank, float(layout.micro_batch * seq),
+                                                     float(seq), layout.bytes_per_elem, runtime.attention == "fused",
+                                                     profile, sum(runtime.elementwise_accesses), 3.0)
         if layout.recompute == "full":
             again = forward_terms(split, _body(split, stage), rank, **kw)
             work = {k: work[k] + again[k] for k in work}
