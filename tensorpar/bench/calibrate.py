@@ -9,7 +9,8 @@ one moment (gloo's latency on this project's VM moved from 0.3 to 1.9 ms at 2 Ki
 windows of a few seconds).
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
-  512, n from 128 to 4096 and k from 128 to 1408; float64 on five of them), float32 and float64, each
+  512, n from 128 to 4096 and k from 128 to 1408; on the host float64 on five of them), float32 and
+  float64 (on a GPU float32 and bfloat16), each
   call on another copy of the weight
   (64 MiB of them: weights come from memory, as in a model's pass); fitted to
   ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
@@ -58,7 +59,8 @@ M_SIZES = (1, 8, 64, 512)
 # put narrow (128 x 512) and long (4000 x 512) shards 10-18% under their measured time.
 NK_SIZES = ((128, 128), (128, 512), (256, 512), (512, 256), (512, 512), (768, 512), (512, 768), (1408, 512),
             (512, 1408), (1024, 1024), (4096, 512))
-OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))  # the other dtypes' (float64: exactness runs)
+# float64's on the host (exactness runs, seldom timed); on a GPU every dtype takes the whole grid
+OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
 PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
 SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
 QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5,
@@ -135,20 +137,26 @@ def memory_rate(repeats: int, device="cpu") -> float:
 
 # ---- collectives ----------------------------------------------------------------------------------
 
-def link_points(world: int, payloads, repeats: int, device="cpu") -> dict:
-    """``{transport: {op: {p: [(payload, seconds)]}}}`` on groups of the first p ranks: shared
-    memory and gloo on the host; NCCL (the world's backend, the tensors on the rank's GPU) on a GPU."""
+def link_groups(world: int, device="cpu") -> dict:
+    """``{transport: {p: group of the first p ranks}}``: shared memory and gloo on the host; NCCL
+    (the world's backend) on a GPU. Made once, every rank calling (a communicator holds memory)."""
+    return {transport: {p: dist.new_group(list(range(p)), backend=None if transport == "nccl" else transport)
+                        for p in range(2, world + 1)}
+            for transport in (("nccl",) if torch.device(device).type == "cuda" else ("shm", "gloo"))}
+
+
+def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
+    """``{transport: {op: {p: [(payload, seconds)]}}}`` over :func:`link_groups`' groups, the
+    tensors on ``device``; a rank outside a group skips it."""
     out = {}
-    for transport in (("nccl",) if torch.device(device).type == "cuda" else ("shm", "gloo")):
+    for transport, by_size in groups.items():
         out[transport] = {op: {} for op in OPS}
-        for p in range(2, world + 1):
-            ranks = list(range(p))
-            group = dist.new_group(ranks, backend=None if transport == "nccl" else transport)
+        for p, group in by_size.items():
             if dist.get_rank() >= p:
                 continue
             for op in OPS:
-                out[transport][op][p] = [(n, time_collective(op, n, group, ranks, repeats=repeats, device=device))
-                                         for n in payloads]
+                out[transport][op][p] = [(n, time_collective(op, n, group, list(range(p)), repeats=repeats,
+                                                             device=device)) for n in payloads]
     return out
 
 
@@ -170,12 +178,13 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     # speed over the calibration, not of one moment (a shared host's speed moves within a minute)
 
     def rates(dts):
-        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes if k == first else _other(nk_sizes),
-                                               repeats, device) for k in dts},
+        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes if k == first or device.type != "cpu"
+                                               else _other(nk_sizes), repeats, device) for k in dts},
                        "memory": memory_rate(repeats, device),
                        "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
-                       "links": link_points(dist.get_world_size(), payloads, repeats, device)})
+                       "links": link_points(groups, payloads, repeats, device)})
     first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
+    groups = link_groups(dist.get_world_size(), device)
     rates(dtypes)
     mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
@@ -203,11 +212,17 @@ def _median_of_passes(passes: list) -> dict:
     for k, pts in passes[0]["gemm"].items():
         mine = [p["gemm"][k] for p in passes if k in p["gemm"]]
         gemm[k] = [[*pt[:3], statistics.median(q[i][3] for q in mine)] for i, pt in enumerate(pts)]
-    links = {tr: {op: {p: [(n, statistics.median(q["links"][tr][op][p][i][1] for q in passes))
-                           for i, (n, _) in enumerate(pts)] for p, pts in by_size.items()}
-                  for op, by_size in ops.items()} for tr, ops in passes[0]["links"].items()}
     return {"gemm": gemm, "memory": statistics.median(p["memory"] for p in passes),
-            "optimizer": statistics.median(p["optimizer"] for p in passes), "links": links}
+            "optimizer": statistics.median(p["optimizer"] for p in passes),
+            "links": _links_by([p["links"] for p in passes], statistics.median)}
+
+
+def _links_by(tables: list, reduce) -> dict:
+    """One ``{transport: {op: {p: [(payload, seconds)]}}}`` from several (passes, or ranks), each
+    point's seconds ``reduce``-d over the tables that hold its group size."""
+    return {tr: {op: {p: [(n, reduce([t[tr][op][p][i][1] for t in tables if p in t[tr][op]]))
+                          for i, (n, _) in enumerate(pts)] for p, pts in by_size.items()}
+                 for op, by_size in ops.items()} for tr, ops in tables[0].items()}
 
 
 def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:
@@ -222,9 +237,7 @@ def _slowest(per_rank: list) -> dict:
             for k in first["gemm"]}
     blocks = {kind: {ph: tuple(max(r["blocks"][kind][ph][j] for r in per_rank) for j in (0, 1))
                      for ph in first["blocks"][kind]} for kind in first["blocks"]}
-    links = {tr: {op: {p: [(n, max(r["links"][tr][op][p][i][1] for r in per_rank if p in r["links"][tr][op]))
-                           for i, (n, _) in enumerate(pts)] for p, pts in first["links"][tr][op].items()}
-                  for op in first["links"][tr]} for tr in first["links"]}
+    links = _links_by([r["links"] for r in per_rank], max)
     return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
