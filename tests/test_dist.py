@@ -801,6 +801,7 @@ def test_keeping_freed_memory_sets_glibcs_threshold_and_never_trims(monkeypatch)
     fragment it), no trim; False where mallopt refuses or is absent, or the variable says system.
     Catches: a threshold above 32 MiB, a trim left on, a refusal reported as kept."""
     from tensorpar.distributed import host_memory as hm
+    monkeypatch.delenv("TENSORPAR_HOST_MEMORY", raising=False)
     calls = []
     for answer, expect in ((1, True), (0, False)):
         monkeypatch.setattr(hm, "_applied", None)

@@ -5,8 +5,9 @@ and unmapped when freed (the threshold rises with use, to at most 32 MiB), and t
 trimmed whenever more than twice the threshold is free at its top. A training step frees its
 activations and gradients and allocates them again in the next; each page handed back is a page
 fault and a zeroed page when it returns. Measured on this project's 2-vCPU VM (``ru_minflt``
-around each step of the estimates suite's ~25M-parameter Llama, 2 ranks, after warm-up): 73 MB of
-faults in each DDP step and 42-101 MB in each FSDP step; none once the rank keeps its memory.
+around each step of the estimates suite's ~25M-parameter Llama, 2 ranks, after warm-up;
+tools/host_memory_bench.py): 79-83 MB of faults in each DDP step and 93-101 MB in each FSDP step;
+0-0.2 MB once the rank keeps its memory.
 PyTorch's CPU tuning guides remove the same waste by preloading jemalloc or tcmalloc with decay
 off; glibc does it through ``mallopt``, with nothing to install.
 
@@ -36,7 +37,8 @@ _applied: str | None = None  # what this process set: "keep", or None
 def keep_freed_memory() -> bool:
     """Set this process's allocator to keep freed memory (see the module docstring); ``True``
     where it did (or had), ``False`` where ``TENSORPAR_HOST_MEMORY=system`` or the C library has
-    no ``mallopt``."""
+    no ``mallopt`` or refuses it (glibc refuses neither value; should the second be refused, the
+    threshold stays set, which only makes blocks up to 32 MiB come from the heap)."""
     global _applied
     if settings.host_memory() != "keep":
         return False
