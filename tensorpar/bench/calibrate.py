@@ -10,9 +10,8 @@ windows of a few seconds).
 
 - **GEMMs**: ``F.linear`` of ``(m, k)`` by an ``(n, k)`` weight over a grid of shapes (m from 1 to
   512, n from 128 to 4096 and k from 128 to 1408; on the host float64 on five of them), float32 and
-  float64 (on a GPU float32 and bfloat16), each
-  call on another copy of the weight
-  (64 MiB of them: weights come from memory, as in a model's pass); fitted to
+  float64 (on a GPU float32 and bfloat16), each call on another copy of the weight (64 MiB of
+  them: weights come from memory, as in a model's pass); fitted to
   ``t = fixed + 2 m n k / rate + e (m k + k n + m n) / bandwidth`` by least squares on the
   relative error (the three coefficients enter linearly), with the fit's median and largest
   relative error reported; the points are kept, and the estimate scales the formula by the
@@ -176,6 +175,8 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     dtypes = DTYPES if device.type == "cpu" else {"fp32": torch.float32, "bf16": torch.bfloat16}
     passes = []  # the rates measured at the start, the middle and the end: a profile of the host's
     # speed over the calibration, not of one moment (a shared host's speed moves within a minute)
+    first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
+    groups = link_groups(dist.get_world_size(), device)
 
     def rates(dts):
         passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes if k == first or device.type != "cpu"
@@ -183,8 +184,6 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
                        "memory": memory_rate(repeats, device),
                        "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
                        "links": link_points(groups, payloads, repeats, device)})
-    first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
-    groups = link_groups(dist.get_world_size(), device)
     rates(dtypes)
     mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
             "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}

@@ -185,9 +185,9 @@ def _micro_work(split: SplitModel, stage: _Stage, layout, seq: int, profile: Pro
               profile=profile, runtime=runtime)
     for rank in range(split.tp):
         fwd = forward_terms(split, stage, rank, **kw)
-        work = {k: 3.0 * v for k, v in fwd.items()}  # forward once, backward twice
-        # the elementwise work by its own count: the runtime's accesses each way to the kept
-        # elements; the masks and score passes once forward, twice backward
+        # forward once, backward twice; the elementwise work by its own count: the runtime's
+        # accesses each way to the kept elements, the masks and score passes once forward, twice backward
+        work = {k: 3.0 * v for k, v in fwd.items() if k != "elementwise_s"}
         work["elementwise_s"] = _elementwise_seconds(split, stage.layers, rank, float(layout.micro_batch * seq),
                                                      float(seq), layout.bytes_per_elem, runtime.attention == "fused",
                                                      profile, sum(runtime.elementwise_accesses), 3.0)
