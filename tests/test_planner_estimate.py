@@ -279,7 +279,8 @@ def test_a_tp_stops_paying_when_it_is_not_5_percent_faster():
 
 def test_the_optimizer_moves_its_bytes_per_parameter_over_its_share():
     """PyTorch's foreach AdamW with clipping: 96 bytes per fp32 parameter the rank updates; under
-    FSDP / ZeRO each dp rank updates 1/dp of them."""
+    FSDP / ZeRO each dp rank updates 1/dp of them; half at 16 bits, but not Megatron's mixed
+    precision (catches: no 16-bit scaling; the scaling applied to apex's 32 bytes too)."""
     m, prof = get_model("megatron-1.2b"), _flat(mem=1e11)
     hw = get_hardware("h100-sxm")
     n = source_of(m).at(1).params_total
@@ -296,6 +297,13 @@ def test_the_optimizer_moves_its_bytes_per_parameter_over_its_share():
     megatron = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32"), hw, profile=timed, seq=64, runtime=est.MEGATRON_2021)
     assert megatron.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 32 / 1e11)
     assert est.optimizer_seconds_per_param(timed, est.ON_GPU) == 5e-9
+    # 16-bit weights: PyTorch's AdamW keeps its states in their dtype (half the bytes); apex's fused
+    # Adam keeps float32 master weights and moments, its 32 bytes already mixed precision's
+    for dtype, half in (("bf16", 0.5), ("fp32", 1.0)):
+        ours = plan(m, Layout(dp=2, micro_batch=1, dtype=dtype), hw, profile=timed, seq=64)
+        assert ours.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 5e-9 * half)
+        theirs = plan(m, Layout(dp=2, micro_batch=1, dtype=dtype), hw, profile=timed, seq=64, runtime=est.MEGATRON_2021)
+        assert theirs.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 32 / 1e11)
     with pytest.raises(ValueError, match="optimizer_s_per_param"):
         dataclasses.replace(prof, optimizer_s_per_param=0.0)
 

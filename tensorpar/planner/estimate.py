@@ -272,19 +272,22 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
         dp = max(dp - backward, last)
     terms["dp_comm_s"] = dp
     params = _rank_params(split, st, stage, rank, layout)
-    terms["optimizer_s"] = params * optimizer_seconds_per_param(profile, runtime) * (e if e < 4 else 4) / 4 \
-        if layout.workload == "train" else 0.0
+    terms["optimizer_s"] = params * optimizer_seconds_per_param(profile, runtime, e) if layout.workload == "train" else 0.0
     return _summary(terms, tokens=float(layout.global_batch * seq) / layout.dp, extra={"bubble_fraction": f,
                     "tp_rank": rank, "pp_rank": pp_rank, "runtime": runtime.name})
 
 
-def optimizer_seconds_per_param(profile: Profile, runtime: Runtime) -> float:
-    """One optimizer step per (float32) parameter: measured by calibrate where the runtime is the
-    one it measured (tensorpar's: clipping, PyTorch's AdamW), else the runtime's bytes
-    per parameter over the memory bandwidth."""
-    if profile.optimizer_s_per_param is not None and runtime.optimizer == "torch-adamw":
-        return profile.optimizer_s_per_param
-    return runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
+def optimizer_seconds_per_param(profile: Profile, runtime: Runtime, bytes_per_elem: int = 4) -> float:
+    """One optimizer step per parameter of ``bytes_per_elem`` bytes. PyTorch's AdamW (``torch-adamw``)
+    keeps its states in the parameters' dtype, so its passes move bytes in proportion to it: the
+    float32 step calibrate measured (or the runtime's bytes over the memory bandwidth), times
+    ``bytes_per_elem / 4`` below float32. Another runtime's bytes are its own precision's (apex's
+    fused Adam keeps float32 master weights and moments whatever the model's dtype)."""
+    if runtime.optimizer != "torch-adamw":
+        return runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
+    per_fp32 = profile.optimizer_s_per_param if profile.optimizer_s_per_param is not None \
+        else runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
+    return per_fp32 * min(bytes_per_elem, 4) / 4
 
 
 def _rank_params(split: SplitModel, st: Stages, stage: _Stage, rank: int, layout) -> float:
