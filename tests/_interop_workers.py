@@ -13,15 +13,21 @@ def pytorch_apis_worker(checkpoint):
     same seed (float64): max abs differences, and what tensorpar's own collectives travel over."""
     from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     torch.manual_seed(0)
     p, r = tdist.get_world_size(), tdist.get_rank()
     mesh = init_device_mesh("cpu", (p,))
     out = {"transport": dist.transport()}
     full = torch.arange(4 * p * 3, dtype=torch.float64).reshape(4 * p, 3)
-    out["redistribute"] = _diff(distribute_tensor(full, mesh, [Shard(0)]).redistribute(mesh, [Replicate()])
-                                .to_local(), full)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])
+    partial = DTensor.from_local(torch.full((2 * p, 3), float(r + 1), dtype=torch.float64), mesh, [Partial()])
+    with dist.ledger() as led:  # what DTensor's own collectives went through: this group's Python methods
+        gathered = sharded.redistribute(mesh, [Replicate()]).to_local()
+        scattered = partial.redistribute(mesh, [Shard(0)]).to_local()
+    out["redistribute"] = _diff(gathered, full)
+    out["reduce_scatter"] = _diff(scattered, torch.full((2, 3), p * (p + 1) / 2, dtype=torch.float64))
+    out["functional_ledger"] = [(rec.op, rec.group_size) for rec in led.records]
     mine = torch.full((5,), float(r + 1), dtype=torch.float64)
     out["functional_all_reduce"] = _diff(functional_all_reduce(mine, "sum", mesh), torch.full((5,), p * (p + 1) / 2))
     out["mlp"] = _parallelize_module_mlp(mesh)

@@ -26,6 +26,17 @@ def test_dtensor_and_functional_collectives_on_the_default_group(results):
     for out in results:
         assert out["transport"] == "shm", out
         assert out["redistribute"] == 0.0 and out["functional_all_reduce"] == 0.0, out
+        assert out["reduce_scatter"] == 0.0, out
+
+
+def test_dtensors_all_gather_and_reduce_scatter_run_in_the_groups_python_not_in_gloo_from_cpp(results):
+    """DTensor's redistribute (Shard -> Replicate, Partial -> Shard) calls the group's coalesced
+    all-gather and reduce-scatter from C++ with the GIL held. ProcessGroup's own queued them into
+    gloo there, and 1 launch in ~150 deadlocked (gloo's worker took the GIL to free a finished
+    call's tensors under its queue's lock; the rank was named unresponsive after 30 s). Served by
+    the group's Python methods, each is in the ledger. Catches: either method removed."""
+    for out in results:
+        assert out["functional_ledger"] == [("all_gather", 2), ("reduce_scatter", 2)], out
 
 
 def test_parallelize_module_colwise_rowwise_mlp_equals_the_dense_one(results):

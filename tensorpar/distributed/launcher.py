@@ -88,15 +88,16 @@ def launch(fn, world_size: int, *args, backend: str = "auto", timeout: float = 1
     _sweep_stale_rendezvous()
     with tempfile.TemporaryDirectory(prefix=f"{_RDZV_PREFIX}{os.getpid()}-") as tmp:
         store = os.path.join(tmp, "store")
+        stacks = [os.path.join(tmp, f"stack{rank}") for rank in range(world_size)]
         procs = [ctx.Process(target=_rank_main, daemon=True, name=f"tensorpar-rank{rank}",
                              args=(rank, world_size, store, backend, timeout, fn, args, results.sender(rank),
-                                   slots[rank], beats[rank], dict(os.environ)))
+                                   slots[rank], beats[rank], dict(os.environ), stacks[rank]))
                  for rank in range(world_size)]
         reaper = Reaper()  # stops the ranks' groups and removes tmp if this process dies without doing it
         reaper.folder(tmp)
         try:
             _start(procs, results, reaper)
-            return _collect(procs, results, deadline, Monitor([p.pid for p in procs], slots, beats, timeout))
+            return _collect(procs, results, deadline, Monitor([p.pid for p in procs], slots, beats, timeout, stacks))
         finally:
             _stop_all(procs)
             sweep_stale()  # a segment a rank made and died before unlinking
@@ -218,7 +219,8 @@ def _collect(procs, results, deadline, monitor: Monitor | None = None) -> list:
         if t_end is not None and time.monotonic() > t_end:
             missing = [r for r in range(len(procs)) if r not in out]
             raise LaunchTimeoutError(f"launch passed its deadline of {deadline:g}s; ranks {missing} "
-                                     f"had not finished and were stopped" + (monitor.where() if monitor else ""))
+                                     f"had not finished and were stopped"
+                                     + (monitor.where() + monitor.stacks(missing) if monitor else ""))
     return [out[r] for r in range(len(procs))]
 
 
@@ -305,7 +307,7 @@ def _die_with_parent() -> None:
 
 
 def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slot=None, beat=None,
-               environ=None) -> None:
+               environ=None, stack_path=None) -> None:
     if environ is not None:  # the launcher's environment now, not the fork server's when it started
         os.environ.clear()
         os.environ.update(environ)
@@ -320,6 +322,8 @@ def _rank_main(rank, world_size, store, backend, timeout, fn, args, results, slo
         flight.install(slot)
     if beat is not None:
         liveness.start_heartbeat(beat)
+    if stack_path is not None:
+        liveness.dump_stacks_on_signal(stack_path)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     host_memory.keep_freed_memory()

@@ -16,10 +16,19 @@ The launcher reads two signs every half second, for every rank that has not retu
 
 ``TENSORPAR_UNRESPONSIVE_TIMEOUT`` (seconds) replaces both bounds, e.g. to attach a debugger to a
 rank. Linux only: where ``/proc`` is missing, the heartbeat alone is read.
+
+When the launch ends because a rank is silent or stuck, or passes its deadline, the error carries
+that rank's Python stack: each rank registers :mod:`faulthandler` on ``SIGUSR1`` (:data:`STACK_SIGNAL`),
+which writes every thread's stack from the signal handler itself, without the GIL, so a rank whose
+GIL a native call holds still answers; the launcher signals the rank and reads the file back
+(:meth:`Watch.stacks`). A rank that installs its own ``SIGUSR1`` handler gives no stack.
 """
 from __future__ import annotations
 
 import ctypes
+import faulthandler
+import os
+import signal
 import threading
 import time
 
@@ -28,6 +37,9 @@ from tensorpar.distributed import settings
 BEAT_S = 1.0
 STOPPED_S = 5.0
 SILENT_S = 30.0
+STACK_SIGNAL = signal.SIGUSR1
+STACK_WAIT_S = 2.0  # how long the launcher waits for a signalled rank's stack
+_stack_file = None  # the rank's open dump file (faulthandler writes to its descriptor)
 _STOPPED = {"T": "stopped by a signal: SIGSTOP, or SIGTSTP/SIGTTIN/SIGTTOU",
             "t": "stopped by a debugger or tracer"}
 
@@ -48,6 +60,32 @@ def _beat(beat) -> None:
         time.sleep(BEAT_S)
 
 
+def dump_stacks_on_signal(path: str) -> None:
+    """Called in each spawned rank: on :data:`STACK_SIGNAL`, write every thread's Python stack to ``path``."""
+    global _stack_file
+    _stack_file = open(path, "w")  # noqa: SIM115 - faulthandler writes to its descriptor until the rank ends
+    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
+
+
+def read_stack(pid: int, path: str, wait: float = STACK_WAIT_S) -> str:
+    """Signal process ``pid`` for its stacks and return what it wrote to ``path`` ("" if nothing
+    came within ``wait`` seconds: a stopped rank, or one that replaced the handler)."""
+    try:
+        start = os.path.getsize(path)
+        os.kill(pid, STACK_SIGNAL)
+    except OSError:
+        return ""
+    t_end, size, still = time.monotonic() + wait, start, 0
+    while time.monotonic() < t_end and still < 2:  # the dump is whole once its size holds for 0.1 s
+        time.sleep(0.05)
+        new = os.path.getsize(path)
+        still = still + 1 if new == size and new > start else 0
+        size = new
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace").strip()
+
+
 def proc_state(pid: int) -> str | None:
     """The one-letter state of process ``pid`` (``R``, ``S``, ``D``, ``T``, ``t``, ``Z``...), or None."""
     try:
@@ -61,8 +99,8 @@ class Watch:
     """One launch's view of its ranks' liveness: ``unresponsive`` names a rank stopped for
     ``stopped_s`` or silent for ``silent_s``; ``stopped`` lists the ranks stopped now."""
 
-    def __init__(self, pids: list, beats: list):
-        self._pids, self._beats = pids, beats
+    def __init__(self, pids: list, beats: list, stack_paths: list | None = None):
+        self._pids, self._beats, self._stack_paths = pids, beats, stack_paths
         bound = settings.unresponsive_timeout()
         self.stopped_s = bound if bound is not None else STOPPED_S
         self.silent_s = bound if bound is not None else SILENT_S
@@ -98,6 +136,19 @@ class Watch:
         """The ranks among ``ranks`` whose last heartbeat is ``seconds`` old or older."""
         now = time.monotonic()
         return [r for r in ranks if self._beats[r].value and now - self._beats[r].value >= seconds]
+
+    def stacks(self, ranks) -> str:
+        """The Python stacks of ``ranks`` (those not stopped: a stopped rank cannot answer), as text
+        to append to an error; "" where none came."""
+        if not self._stack_paths:
+            return ""
+        out = []
+        for r in ranks:
+            state = proc_state(self._pids[r])
+            text = read_stack(self._pids[r], self._stack_paths[r]) if state not in _STOPPED else ""
+            if text:
+                out.append(f"\n--- Python stack of rank {r} (process {self._pids[r]}, /proc state {state!r}) ---\n{text}")
+        return "".join(out)
 
     def describe_stopped(self, rank: int, state: str, seconds: float) -> str:
         return (f"process {self._pids[rank]} is stopped (/proc state {state!r}, {_STOPPED[state]}) and has "

@@ -88,10 +88,10 @@ def _first_line(failure: RankFailedError) -> str:
 class Monitor:
     """One launch's ranks: ``out`` holds the results of those that returned."""
 
-    def __init__(self, pids: list, slots: list, beats: list, timeout: float):
+    def __init__(self, pids: list, slots: list, beats: list, timeout: float, stack_paths: list | None = None):
         self.out: dict = {}
         self._slots, self._timeout = slots, timeout
-        self._watch = liveness.Watch(pids, beats)
+        self._watch = liveness.Watch(pids, beats, stack_paths)
 
     def running(self) -> list:
         return [r for r in range(len(self._slots)) if r not in self.out]
@@ -112,7 +112,7 @@ class Monitor:
         stopped = self._watch.stopped(running)
         found = self._watch.unresponsive(running, stopped)
         if found is not None:
-            raise RankUnresponsiveError(found[0], found[1] + self.where())
+            raise RankUnresponsiveError(found[0], found[1] + self.where() + self._watch.stacks([found[0]]))
         if stopped or self._watch.lagging(running, flight.SETTLE_S):
             return
         states = self.states()
@@ -122,7 +122,11 @@ class Monitor:
         stuck = flight.find_stuck(self.states(returned=True), set(self.out), self._timeout + STUCK_GRACE_S)
         if stuck is not None:
             raise RankStuckError(stuck[0], f"{stuck[1]}, past the launch's timeout of {self._timeout:g}s"
-                                 + self.where())
+                                 + self.where() + self._watch.stacks([stuck[0]]))
+
+    def stacks(self, ranks) -> str:
+        """The Python stacks of ``ranks`` that still run (:meth:`liveness.Watch.stacks`)."""
+        return self._watch.stacks(ranks)
 
     def explain(self, failure: RankFailedError) -> RankFailedError:
         """The error to raise for ``failure``: its cause, where the ranks' states show one."""
@@ -138,7 +142,8 @@ class Monitor:
         timed_out = _TIMED_OUT.search(failure.detail)
         stuck = flight.stuck_peer(failure.rank, self.states(returned=True), set(self.out)) if timed_out else None
         if stuck is not None:
-            return RankStuckError(stuck[0], f"{stuck[1]} (then {_first_line(failure)})" + self.where())
+            return RankStuckError(stuck[0], f"{stuck[1]} (then {_first_line(failure)})" + self.where()
+                                  + self.stacks([stuck[0]]))
         if any(s is not None for s in states.values()):
             failure.add(self.where())
         if failure.exc_type == "CollectiveMismatchError":

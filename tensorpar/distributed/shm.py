@@ -205,8 +205,27 @@ class ShmProcessGroup(tdist.ProcessGroup):
         _barrier(self.segment)
         return _done(None)
 
+    # PyTorch's functional collectives (DTensor's redistribute, parallelize_module, Hugging Face's
+    # tp_plan) call these from C++ with the GIL held. Left to ProcessGroup's own, they queued into
+    # gloo there, and gloo's worker frees a finished call's tensors (which takes the GIL) under
+    # that queue's lock: a deadlock, 1 launch in ~150 of tests/test_interop's worker. Here each
+    # pair is one call of the above, over shared memory, or into gloo through its Python binding,
+    # which lets go of the GIL.
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return _each(self.all_gather_single, outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return _each(self.reduce_scatter_single, outputs, inputs, opts)
+
     _allgather_base = all_gather_single  # the names older callers use
     _reduce_scatter_base = reduce_scatter_single
+
+
+def _each(op, outputs, inputs, opts) -> "tdist.Work":
+    """``op(output, input, opts)`` for each pair in order, every one finished before this returns."""
+    for work in [op(o, i, opts) for o, i in zip(outputs, inputs)]:
+        work.wait()
+    return _done(outputs)
 
 
 def _forward_to_gloo(name, gloo_name):
