@@ -23,7 +23,8 @@ windows of a few seconds).
   backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
   data-parallel over the ranks (DDP, FSDP) for a training step; the slope over blocks is the cost
   of one block call, the intercept the step's own; the time spent inside collectives (the
-  ledger's) is taken out, as the estimate counts collectives by their own fit;
+  ledger's) is taken out, as the estimate counts collectives by their own fit; its rounds are
+  spread over the same three windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
-                                             block_costs, collective_wait, optimizer_rate, wait_points)
+                                             BlockCosts, collective_wait, optimizer_rate, wait_points)
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
@@ -184,19 +185,44 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
                        "memory": memory_rate(repeats, device),
                        "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
                        "links": link_points(groups, payloads, repeats, device)})
-    rates(dtypes)
-    mine = {"blocks": {kind: block_costs(kind, repeats, new, device=device, **kw) for kind in kinds},
-            "device": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
-    if not quick:
-        rates([first])
-    if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
+    took, mine, blocks = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, {}, {}
+
+    def timed(part, fn, *a):  # where calibrate's time goes, in the profile
+        t = time.perf_counter()
+        fn(*a)
+        took[part] += time.perf_counter() - t
+
+    def block_rounds(n):  # the fixed costs' rounds, spread over the calibration as the rates' passes
+        if not blocks:
+            blocks.update({kind: BlockCosts(kind, new, device=device, **kw) for kind in kinds})
+        for costs in blocks.values():
+            costs.rounds(n)
+
+    def wait():
         mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
                         for tr in ("shm", "gloo")}
+    windows = [repeats] if quick else _windows(repeats, 3)
+    timed("rates", rates, dtypes)
+    timed("blocks", block_rounds, windows[0])
     if not quick:
-        rates([first])
+        timed("rates", rates, [first])
+        timed("blocks", block_rounds, windows[1])
+    if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
+        timed("wait", wait)
+    if not quick:
+        timed("rates", rates, [first])
+        timed("blocks", block_rounds, windows[2])
+    mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
+                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
     mine.update(_median_of_passes(passes))
     mine["seconds"] = time.perf_counter() - t0
+    mine["seconds_by_part"] = {k: round(v, 2) for k, v in took.items()}
     return dist.all_gather_object(mine)
+
+
+def _windows(repeats: int, count: int) -> list:
+    """``repeats`` rounds in ``count`` windows, as even as they go, the larger first: 5 in 3 -> [2, 2, 1]."""
+    return [repeats // count + (i < repeats % count) for i in range(count)]
 
 
 def _other(nk_sizes) -> tuple:
@@ -239,7 +265,8 @@ def _slowest(per_rank: list) -> dict:
     links = _links_by([r["links"] for r in per_rank], max)
     return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
-            "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu")}
+            "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu"),
+            "seconds_by_part": first.get("seconds_by_part")}
 
 
 def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
@@ -297,5 +324,6 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
                    collective_wait=collective_wait(m.get("wait"), links),
                    optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
-                             "seconds": round(seconds, 2), "torch": torch.__version__,
+                             "seconds": round(seconds, 2), "seconds_by_part": m.get("seconds_by_part"),
+                             "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

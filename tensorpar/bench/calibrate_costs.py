@@ -116,59 +116,81 @@ LAYERS = (1, 6)  # the tiny models' blocks: the slope over them is one block's c
 BATCHES = (1, 8)  # inference's fixed costs at each: a larger batch costs more per call (cache, sampling)
 
 
-def block_costs(kind: str, repeats: int, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05,
-                device="cpu") -> dict:
-    """``{phase: (per_block_s, per_step_s)}`` from tiny models of ``LAYERS`` blocks: a forward of 4
-    tokens (``forward``), generating one token from a 4-token prompt (``prefill``), a training step
-    (``train``), a decode step through the lean and Hugging Face forwards (``decode``,
-    ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at each of ``BATCHES``
-    (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or ``fsdp``) its training
-    step only. Both depths are timed in the same rounds, one after the other, and each round gives
-    a slope (the block's cost) and an intercept (the step's): the median of each over the rounds,
-    so that the host's drift between two depths measured apart cannot pass for a block's cost."""
-    ids = torch.arange(4, device=device).reshape(1, 4)
-    lo, hi = layers
-    models = {depth: _models(depth, kind, device) for depth in layers}
-    steps = {}
-    for depth, model in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        model.train()
-        steps[depth] = lambda model=model, opt=opt: train_step(model, opt, ids, max_norm=1.0)
-    per_phase = {"train": _rounds({d: _sampler(f, min_s, device) for d, f in steps.items()}, repeats)}
-    if kind not in ("ddp", "fsdp"):
-        for model in models.values():
-            model.eval()
-        per_phase["forward"] = _rounds({d: _sampler(lambda m=m: _forward(m, ids), min_s, device)
-                                        for d, m in models.items()}, repeats)
-        for b in batches:
-            tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
-            for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
-                one = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, 1, engine=e), min_s, device)
-                       for d, m in models.items()}
-                many = {d: _sampler(lambda m=m, x=prompts, e=engine: generate(m, x, new, engine=e), min_s, device)
-                        for d, m in models.items()}
-                both = _rounds({**{("one", d): f for d, f in one.items()}, **{("many", d): f for d, f in many.items()}},
-                               repeats)
-                per_phase[key + tag] = {d: [(n - o) / (new - 1) for o, n in zip(both[("one", d)], both[("many", d)])]
-                                        for d in layers}
-                if engine == "auto":
-                    per_phase["prefill" + tag] = {d: both[("one", d)] for d in layers}
-    out = {}
-    for phase, by_depth in per_phase.items():
-        slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
-        intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
-        out[phase] = (max(0.0, statistics.median(slopes)), max(0.0, statistics.median(intercepts)))
-    return out
+class BlockCosts:
+    """The fixed costs of a tiny Llama of ``LAYERS`` blocks (``kind`` as :func:`_models`), by
+    phase: a forward of 4 tokens (``forward``), generating one token from a 4-token prompt
+    (``prefill``), a training step (``train``), a decode step through the lean and Hugging Face
+    forwards (``decode``, ``decode_hf``: ``(t(new) - t(1)) / (new - 1)``), the inference phases at
+    each of ``BATCHES`` (``phase@b8``: at batch 8); a data-parallel model (``kind`` ``ddp`` or
+    ``fsdp``) its training step only.
 
+    :meth:`rounds` takes rounds of samples and may be called several times, so that a
+    calibration spreads them over its length: a slow spell of a few seconds on a shared host then
+    spoils the rounds of one window, not every round (measured in one window, a phase's cost came
+    out up to twice another calibration's). Within a window each phase's rounds run one after the
+    other, after one warm-up call of each of its functions (a decode step right after a training
+    step finds the caches another phase left). Both depths are timed in the same rounds, and each
+    round gives a slope (the block's cost) and an intercept (the step's): :meth:`costs` takes the
+    median of each over every round taken."""
 
-def _rounds(samplers: dict, repeats: int) -> dict:
-    """``{key: [sample per round]}``: every sampler once a round, ``repeats`` rounds, the order
-    rotating (:func:`~tensorpar.bench.timing.round_order`) so that none always runs first."""
-    out = {k: [] for k in samplers}
-    for i in range(repeats):
-        for k in round_order(list(samplers), i):
-            out[k].append(samplers[k]())
-    return out
+    def __init__(self, kind: str, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05, device="cpu"):
+        ids = torch.arange(4, device=device).reshape(1, 4)
+        self._layers, self._new, self._done = layers, new, 0
+        self._models = {depth: _models(depth, kind, device) for depth in layers}
+        fns = {"train": {}}
+        for depth, model in self._models.items():
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            fns["train"][depth] = lambda model=model, opt=opt: train_step(model, opt, ids, max_norm=1.0)
+        if kind not in ("ddp", "fsdp"):
+            fns["forward"] = {d: lambda m=m: _forward(m, ids) for d, m in self._models.items()}
+            for b in batches:
+                tag, prompts = ("" if b == 1 else f"@b{b}"), ids.repeat(b, 1)
+                for engine, key in (("auto", "decode"), ("hf", "decode_hf")):
+                    fns[key + tag] = {(count, d): lambda m=m, x=prompts, e=engine, c=count: generate(m, x, c, engine=e)
+                                      for count in (1, new) for d, m in self._models.items()}
+        self._fns = fns
+        self._samplers = {}  # each made in its phase's mode (its first call sets its count of calls)
+        for phase, by_key in fns.items():
+            self._set_mode(phase)
+            self._samplers[phase] = {k: _sampler(f, min_s, device) for k, f in by_key.items()}
+        self._samples = {ph: {k: [] for k in by_key} for ph, by_key in fns.items()}
+
+    def _set_mode(self, phase: str) -> None:
+        for model in self._models.values():
+            model.train(phase == "train")
+
+    def rounds(self, n: int) -> None:
+        """``n`` more rounds of every phase (each sampler once a round, the order rotating:
+        :func:`~tensorpar.bench.timing.round_order`, so that none always runs first)."""
+        if n <= 0:
+            return
+        for phase, samplers in self._samplers.items():
+            self._set_mode(phase)
+            for fn in self._fns[phase].values():
+                fn()
+            for i in range(self._done, self._done + n):
+                for k in round_order(list(samplers), i):
+                    self._samples[phase][k].append(samplers[k]())
+        self._done += n
+
+    def costs(self) -> dict:
+        """``{phase: (per_block_s, per_step_s)}``: the medians over the rounds taken."""
+        lo, hi = self._layers
+        per_phase = {}
+        for phase, samples in self._samples.items():
+            if phase.startswith("decode"):  # one token's cost: the loop of ``new`` tokens less the loop of one
+                per_phase[phase] = {d: [(n - o) / (self._new - 1) for o, n in zip(samples[(1, d)], samples[(self._new, d)])]
+                                    for d in self._layers}
+                if not phase.startswith("decode_hf"):
+                    per_phase["prefill" + phase[len("decode"):]] = {d: samples[(1, d)] for d in self._layers}
+            else:
+                per_phase[phase] = samples
+        out = {}
+        for phase, by_depth in per_phase.items():
+            slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
+            intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
+            out[phase] = (max(0.0, statistics.median(slopes)), max(0.0, statistics.median(intercepts)))
+        return out
 
 
 def _forward(model, ids):
