@@ -17,7 +17,8 @@ rank, float32, the ~25M Llama (``BENCH_LLAMA``):
 
 The training cases run one after another, each model alone in the process as in a training job
 (:func:`_train_samples`); the inference cases in interleaved rounds
-(:func:`~tensorpar.bench.timing.interleaved`). Each time is taken on the slowest rank, after a
+(:func:`~tensorpar.bench.timing.interleaved`), half of them before the training cases and half
+after (:class:`_Inference`: a slow spell of the shared host spoils half of a case's rounds at most). Each time is taken on the slowest rank, after a
 probe of the host's speed (:class:`HostSpeed`); the figure is the median over rounds (a decode step's: of each round's
 ``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
@@ -194,14 +195,18 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     cases = _train_cases(dense, ids)
     speed = HostSpeed(profile)
     speeds, before = _probed(speed)
+    # the inference rounds half before the training cases and half after: a slow spell of the
+    # shared host then spoils half of a case's rounds at most, not all of them (the median holds)
+    inference = _Inference(path, profile, new, dense.config.vocab_size, speed)
+    inference.take((repeats + 1) // 2)
     samples = _train_samples(cases, repeats, before)
+    inference.take(repeats // 2)
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
                      **judged(statistics.median(samples[name]), guess, _known(speeds, name), samples[name])})
     del cases
-    rows += _inference_rows(path, profile, repeats, new, dense.config.vocab_size, speed)
-    return {"rows": rows, "profile": profile.to_dict()}
+    return {"rows": rows + inference.rows(), "profile": profile.to_dict()}
 
 
 def _known(speeds: dict, *names) -> list | None:
@@ -213,44 +218,56 @@ def _known(speeds: dict, *names) -> list | None:
     return [sum(r) / len(r) for r in rows]
 
 
-def _inference_rows(path, profile: Profile, repeats: int, new: int, vocab: int, speed: HostSpeed) -> list:
-    shm = dist.new_group([0, 1], backend="shm")
-    models = {"shm": load_sharded(path, tp_group=shm, dtype=torch.float32)[0].eval(),
-              "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"), dtype=torch.float32)[0].eval()}
-    prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=torch.Generator().manual_seed(b))
-               for b in DECODE_BATCHES}
+class _Inference:
+    """The inference cases of one launch: their models loaded once, :meth:`take` times rounds of
+    every case (interleaved) and may be called more than once, :meth:`rows` judges them all."""
+
     # (case, model, engine of generate, batch, what, transport, engine of the estimate)
-    cases = [("decode_b1", "shm", "auto", 1, "decode", "shm", "decode"),
+    CASES = [("decode_b1", "shm", "auto", 1, "decode", "shm", "decode"),
              ("decode_b8", "shm", "auto", 8, "decode", "shm", "decode"),
              ("decode_hf_b1", "shm", "hf", 1, "decode", "shm", "decode_hf"),
              ("decode_gloo_b1", "gloo", "auto", 1, "decode", "gloo", "decode"),
              ("prefill_b1", "shm", "auto", 1, "prefill", "shm", "decode"),
              ("prefill_b8", "shm", "auto", 8, "prefill", "shm", "decode")]
-    runs = {}
-    for name, model, engine, b, what, _, _ in cases:
-        ids = prompts[b]
-        runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
-        if what == "decode":
-            runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
-    speeds, before = _probed(speed)
-    with torch.no_grad():
-        timed = interleaved(runs, repeats, warmup=1, before=before)
-    samples = {}  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
-    for name, _, _, _, what, _, _ in cases:
-        samples[name] = timed[f"{name}/1"] if what == "prefill" else [
-            (n - o) / (new - 1) for o, n in zip(timed[f"{name}/1"], timed[f"{name}/n"])]
-    rows = []
-    for name, _, engine, b, what, transport, est_engine in cases:
-        layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
-        context = PROMPT + new // 2 if what == "decode" else PROMPT
-        guess = estimate(path, layout, profile, seq=context, what=what, transport=transport, engine=est_engine)
-        known = _known(speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(speeds, f"{name}/1")
-        rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
-                     f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
-                     f"{'lean' if engine == 'auto' else 'HF'} forward",
-                     "samples_s": samples[name],
-                     **judged(statistics.median(samples[name]), guess, known, samples[name])})
-    return rows
+
+    def __init__(self, path, profile: Profile, new: int, vocab: int, speed: HostSpeed):
+        self.path, self.profile, self.new = path, profile, new
+        shm = dist.new_group([0, 1], backend="shm")
+        models = {"shm": load_sharded(path, tp_group=shm, dtype=torch.float32)[0].eval(),
+                  "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"),
+                                       dtype=torch.float32)[0].eval()}
+        prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=torch.Generator().manual_seed(b))
+                   for b in DECODE_BATCHES}
+        self.runs = {}
+        for name, model, engine, b, what, _, _ in self.CASES:
+            ids = prompts[b]
+            self.runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
+            if what == "decode":
+                self.runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
+        self.speeds, self._before = _probed(speed)
+        self.timed = {k: [] for k in self.runs}
+
+    def take(self, repeats: int) -> None:
+        """``repeats`` more rounds (after one of warm-up: the caches other work left)."""
+        with torch.no_grad():
+            for k, v in interleaved(self.runs, repeats, warmup=1, before=self._before).items():
+                self.timed[k] += v
+
+    def rows(self) -> list:
+        rows = []
+        for name, _, engine, b, what, transport, est_engine in self.CASES:
+            one = self.timed[f"{name}/1"]  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
+            samples = one if what == "prefill" else [(n - o) / (self.new - 1) for o, n in zip(one, self.timed[f"{name}/n"])]
+            layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
+            context = PROMPT + self.new // 2 if what == "decode" else PROMPT
+            guess = estimate(self.path, layout, self.profile, seq=context, what=what, transport=transport,
+                             engine=est_engine)
+            known = _known(self.speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(self.speeds, f"{name}/1")
+            rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
+                         f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
+                         f"{'lean' if engine == 'auto' else 'HF'} forward",
+                         "samples_s": samples, **judged(statistics.median(samples), guess, known, samples)})
+        return rows
 
 
 def _layout_text(layout: Layout, seq: int) -> str:
