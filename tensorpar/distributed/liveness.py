@@ -18,10 +18,12 @@ The launcher reads two signs every half second, for every rank that has not retu
 rank. Linux only: where ``/proc`` is missing, the heartbeat alone is read.
 
 When the launch ends because a rank is silent or stuck, or passes its deadline, the error carries
-that rank's Python stack: each rank registers :mod:`faulthandler` on ``SIGUSR1`` (:data:`STACK_SIGNAL`),
-which writes every thread's stack from the signal handler itself, without the GIL, so a rank whose
-GIL a native call holds still answers; the launcher signals the rank and reads the file back
-(:meth:`Watch.stacks`). A rank that installs its own ``SIGUSR1`` handler gives no stack.
+that rank's Python stack: each rank registers :mod:`faulthandler` on :data:`STACK_SIGNAL` (a
+real-time signal, ``SIGRTMIN + 6``: ``SIGUSR1`` and ``SIGUSR2`` are the ones job schedulers and
+user code take, e.g. a checkpoint before a requeue), which writes every thread's stack from the
+signal handler itself, without the GIL, so a rank whose GIL a native call holds still answers.
+The launcher signals every rank it asks about, then reads their files back (:meth:`Watch.stacks`,
+up to ``STACK_WAIT_S`` in all). A rank that installs its own handler for that signal gives no stack.
 """
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ from tensorpar.distributed import settings
 BEAT_S = 1.0
 STOPPED_S = 5.0
 SILENT_S = 30.0
-STACK_SIGNAL = signal.SIGUSR1
-STACK_WAIT_S = 2.0  # how long the launcher waits for a signalled rank's stack
-_stack_file = None  # the rank's open dump file (faulthandler writes to its descriptor)
+STACK_SIGNAL = signal.SIGRTMIN + 6
+STACK_WAIT_S = 2.0  # how long the launcher waits for the stacks of the ranks it signalled
+STACK_SETTLED_S = 0.3  # a dump is whole once its size has held this long (the main thread comes last)
 _STOPPED = {"T": "stopped by a signal: SIGSTOP, or SIGTSTP/SIGTTIN/SIGTTOU",
             "t": "stopped by a debugger or tracer"}
 
@@ -61,29 +63,42 @@ def _beat(beat) -> None:
 
 
 def dump_stacks_on_signal(path: str) -> None:
-    """Called in each spawned rank: on :data:`STACK_SIGNAL`, write every thread's Python stack to ``path``."""
-    global _stack_file
-    _stack_file = open(path, "w")  # noqa: SIM115 - faulthandler writes to its descriptor until the rank ends
-    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True)
+    """Called in each spawned rank: on :data:`STACK_SIGNAL`, write every thread's Python stack to
+    ``path`` (faulthandler keeps the file open until the rank ends). The file takes its name once
+    the handler is in place: the launcher signals only a rank whose file exists, since the
+    signal's default action would end the rank."""
+    staging = path + ".new"
+    faulthandler.register(STACK_SIGNAL, file=open(staging, "w"), all_threads=True)  # noqa: SIM115
+    os.replace(staging, path)
 
 
-def read_stack(pid: int, path: str, wait: float = STACK_WAIT_S) -> str:
-    """Signal process ``pid`` for its stacks and return what it wrote to ``path`` ("" if nothing
-    came within ``wait`` seconds: a stopped rank, or one that replaced the handler)."""
-    try:
-        start = os.path.getsize(path)
-        os.kill(pid, STACK_SIGNAL)
-    except OSError:
-        return ""
-    t_end, size, still = time.monotonic() + wait, start, 0
-    while time.monotonic() < t_end and still < 2:  # the dump is whole once its size holds for 0.1 s
+def read_stacks(targets: dict, wait: float = STACK_WAIT_S) -> dict:
+    """``{key: (pid, path)}`` -> ``{key: text}``: every process signalled for its stacks first, then
+    what each wrote to its ``path`` once it settled ("" where nothing came within ``wait`` seconds:
+    a stopped process, or one that replaced the handler; or where it had no file yet)."""
+    start = {}
+    for key, (pid, path) in targets.items():
+        try:
+            size = os.path.getsize(path)
+            os.kill(pid, STACK_SIGNAL)
+        except OSError:
+            continue
+        start[key] = size
+    sizes, since = dict(start), {key: time.monotonic() for key in start}
+    t_end = time.monotonic() + wait
+    while time.monotonic() < t_end and any(
+            sizes[k] == start[k] or time.monotonic() - since[k] < STACK_SETTLED_S for k in start):
         time.sleep(0.05)
-        new = os.path.getsize(path)
-        still = still + 1 if new == size and new > start else 0
-        size = new
-    with open(path, "rb") as f:
-        f.seek(start)
-        return f.read().decode(errors="replace").strip()
+        for k in start:
+            new = os.path.getsize(targets[k][1])
+            if new != sizes[k]:
+                sizes[k], since[k] = new, time.monotonic()
+    out = dict.fromkeys(targets, "")
+    for key, size in start.items():
+        with open(targets[key][1], "rb") as f:
+            f.seek(size)
+            out[key] = f.read().decode(errors="replace").strip()
+    return out
 
 
 def proc_state(pid: int) -> str | None:
@@ -142,13 +157,10 @@ class Watch:
         to append to an error; "" where none came."""
         if not self._stack_paths:
             return ""
-        out = []
-        for r in ranks:
-            state = proc_state(self._pids[r])
-            text = read_stack(self._pids[r], self._stack_paths[r]) if state not in _STOPPED else ""
-            if text:
-                out.append(f"\n--- Python stack of rank {r} (process {self._pids[r]}, /proc state {state!r}) ---\n{text}")
-        return "".join(out)
+        states = {r: proc_state(self._pids[r]) for r in ranks}
+        texts = read_stacks({r: (self._pids[r], self._stack_paths[r]) for r in ranks if states[r] not in _STOPPED})
+        return "".join(f"\n--- Python stack of rank {r} (process {self._pids[r]}, /proc state {states[r]!r}) ---\n{text}"
+                       for r, text in texts.items() if text)
 
     def describe_stopped(self, rank: int, state: str, seconds: float) -> str:
         return (f"process {self._pids[rank]} is stopped (/proc state {state!r}, {_STOPPED[state]}) and has "

@@ -38,8 +38,9 @@ CUDA tensors for all-reduce, broadcast, all-gather and reduce-scatter (through p
 memory) but not for point-to-point sends, whose CUDA tensors tensorpar's own collectives move
 through host memory themselves (:mod:`tensorpar.distributed.collectives`).
 
-What goes to gloo (a group across hosts, ``TENSORPAR_TRANSPORT=gloo``, several tensors per call,
-tensors off the CPU; gather, scatter, reduce, all-to-all, point-to-point) goes there with
+What goes to gloo (a group across hosts, ``TENSORPAR_TRANSPORT=gloo``, several tensors per call
+but the coalesced all-gather and reduce-scatter PyTorch's functional collectives use, which go
+pair by pair; tensors off the CPU; gather, scatter, reduce, all-to-all, point-to-point) goes there with
 contiguous tensors only: gloo reads and writes a tensor's
 storage from its data pointer as if it were contiguous, so on torch 2.13 an all-reduce,
 broadcast, list reduce-scatter, reduce or scatter of a strided view returns wrong values on some
@@ -91,9 +92,10 @@ class ShmProcessGroup(tdist.ProcessGroup):
         super().__init__(rank, size)
         self._name = ""
         self._gloo = tdist.ProcessGroupGloo(store, rank, size, timeout)
-        # PyTorch's functional collectives (DTensor, parallelize_module, Hugging Face tp_plan) ask
-        # a group for its backend by device type and call it directly: the gloo one serves them,
-        # GPU tensors too (gloo stages them through pinned host memory; shared memory never sees them)
+        # Code that asks a group for its backend by device type (torch.distributed's helpers for
+        # DTensor and the functional collectives) finds the gloo one, which takes GPU tensors too
+        # (staged through pinned host memory; shared memory never sees them). The functional
+        # collectives themselves come to this class's methods (see all_gather_single_coalesced)
         for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
             self._register_backend(torch.device(device), tdist.ProcessGroup.BackendType.GLOO, self._gloo)
         self.segment, self.why_not = _attach(store, rank, size, timeout)
