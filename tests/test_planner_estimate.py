@@ -297,6 +297,8 @@ def test_the_optimizer_moves_its_bytes_per_parameter_over_its_share():
     megatron = plan(m, Layout(dp=2, micro_batch=1, dtype="fp32"), hw, profile=timed, seq=64, runtime=est.MEGATRON_2021)
     assert megatron.estimates["step"]["terms"]["optimizer_s"] == pytest.approx(n * 32 / 1e11)
     assert est.optimizer_seconds_per_param(timed, est.ON_GPU) == 5e-9
+    # a runtime of its own (no optimizer named): AdamW's 96 bytes, in the weights' dtype
+    assert est.optimizer_seconds_per_param(prof, est.Runtime("own"), 2) == pytest.approx(96 / 1e11 / 2)
     # 16-bit weights: PyTorch's AdamW keeps its states in their dtype (half the bytes); apex's fused
     # Adam keeps float32 master weights and moments, its 32 bytes already mixed precision's
     for dtype, half in (("bf16", 0.5), ("fp32", 1.0)):

@@ -278,16 +278,16 @@ def training_step(split: SplitModel, st: Stages, layout, seq: int, items: list, 
 
 
 def optimizer_seconds_per_param(profile: Profile, runtime: Runtime, bytes_per_elem: int = 4) -> float:
-    """One optimizer step per parameter of ``bytes_per_elem`` bytes. PyTorch's AdamW (``torch-adamw``)
-    keeps its states in the parameters' dtype, so its passes move bytes in proportion to it: the
-    float32 step calibrate measured (or the runtime's bytes over the memory bandwidth), times
-    ``bytes_per_elem / 4`` below float32. Another runtime's bytes are its own precision's (apex's
-    fused Adam keeps float32 master weights and moments whatever the model's dtype)."""
-    if runtime.optimizer != "torch-adamw":
-        return runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
-    per_fp32 = profile.optimizer_s_per_param if profile.optimizer_s_per_param is not None \
-        else runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
-    return per_fp32 * min(bytes_per_elem, 4) / 4
+    """One optimizer step per parameter of ``bytes_per_elem`` bytes: the float32 step calibrate
+    measured where the runtime is the one it timed (tensorpar's: clipping, PyTorch's AdamW), else
+    the runtime's bytes over the memory bandwidth; times ``bytes_per_elem / 4`` below float32
+    unless the optimizer keeps float32 states whatever the model's dtype
+    (``Runtime.optimizer_fp32_states``: apex's fused Adam, whose 32 bytes are mixed precision's)."""
+    if profile.optimizer_s_per_param is not None and runtime.optimizer == "torch-adamw":
+        per = profile.optimizer_s_per_param
+    else:
+        per = runtime.optimizer_bytes_per_param / profile.memory_bytes_per_s
+    return per if runtime.optimizer_fp32_states else per * min(bytes_per_elem, 4) / 4
 
 
 def _rank_params(split: SplitModel, st: Stages, stage: _Stage, rank: int, layout) -> float:

@@ -21,7 +21,10 @@ class Runtime:
     ``dp_bucket_copies``: whether DDP copies each gradient into its bucket and back (PyTorch's
     DDP without ``gradient_as_bucket_view``; Megatron's own DDP reduces a contiguous buffer);
     ``elementwise_accesses``: ``(forward, backward)`` reads and writes of each kept activation
-    element by the elementwise work (``(2, 4)``: fused kernels; :data:`EAGER_ELEMENTWISE`).
+    element by the elementwise work (``(2, 4)``: fused kernels; :data:`EAGER_ELEMENTWISE`);
+    ``optimizer_fp32_states``: the optimizer keeps float32 master weights and moments whatever the
+    model's dtype (mixed precision), so its bytes are the same at 16 bits; else its states are in
+    the weights' dtype (PyTorch's AdamW) and a 16-bit model's step moves half the bytes.
     """
     name: str
     attention: str = "fused"
@@ -31,6 +34,7 @@ class Runtime:
     optimizer: str | None = None
     dp_bucket_copies: bool = True
     elementwise_accesses: tuple = (2.0, 4.0)
+    optimizer_fp32_states: bool = False
 
 
 # PyTorch's eager modules (Hugging Face's, as tensorpar runs them) read and write each kept
@@ -54,11 +58,11 @@ ON_GPU = Runtime("tensorpar (GPU)", dp_overlap=True, optimizer="torch-adamw",
 # apex FusedAdam (one kernel: fp16 gradient, fp32 master, two moments read, three written, the
 # fp16 copy: 32 bytes with the norm), PyTorch DDP overlapping gradient all-reduce with backward.
 MEGATRON_2020 = Runtime("Megatron-LM 2020", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=True,
-                        optimizer="apex-fused-adam")
+                        optimizer="apex-fused-adam", optimizer_fp32_states=True)
 # Megatron-LM as Narayanan et al. 2021 ran it: the same kernels (scores still go through memory),
 # gradients all-reduced after the backward (its own DDP, no overlap).
 MEGATRON_2021 = Runtime("Megatron-LM 2021", attention="unfused", optimizer_bytes_per_param=32.0, dp_overlap=False,
-                        optimizer="apex-fused-adam", dp_bucket_copies=False)
+                        optimizer="apex-fused-adam", dp_bucket_copies=False, optimizer_fp32_states=True)
 
 
 def default_runtime(profile: Profile) -> Runtime:
