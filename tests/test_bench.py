@@ -392,6 +392,25 @@ def test_calibrate_takes_each_point_as_the_median_of_its_passes():
     assert out["memory"] == pytest.approx(1e10 / 3.0) and out["optimizer"] == 3.0
 
 
+def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_median():
+    """Five rounds in three windows (2, 2, 1), a smoke run's three in two; a block's cost is the
+    median over rounds of each round's slope over depths, so one spoiled round (a slow spell) does
+    not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
+    ``(t(new) - t(1)) / (new - 1)``, prefill from the long generation."""
+    from tensorpar.bench.calibrate import _windows
+    from tensorpar.bench.calibrate_costs import BlockCosts
+
+    assert _windows(5, 3) == [2, 2, 1] and _windows(3, 2) == [2, 1] and _windows(1, 3) == [1, 0, 0]
+    costs = BlockCosts.__new__(BlockCosts)  # its arithmetic over given samples, no model
+    costs._layers, costs._new = (1, 6), 17
+    costs._samples = {"train": {1: [0.6, 0.6, 5.0], 6: [1.1, 1.1, 9.0]},  # 0.5 + 0.1 a block; round 3 spoiled
+                      "decode": {(1, 1): [1.0] * 3, (17, 1): [2.6] * 3, (1, 6): [2.0] * 3, (17, 6): [6.8] * 3}}
+    out = costs.costs()
+    assert out["train"] == pytest.approx((0.1, 0.5))
+    assert out["decode"] == pytest.approx((0.04, 0.06))  # 0.1 and 0.3 a token at 1 and 6 blocks
+    assert out["prefill"] == pytest.approx((0.2, 0.8))  # one token: 1.0 and 2.0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--ranks", "1"], "--ranks (1) must be an integer >= 2"),
     (["calibrate", "--repeats", "2"], "--repeats 2: need at least 3"),

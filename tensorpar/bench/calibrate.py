@@ -164,9 +164,13 @@ def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
 
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
                      quick: bool = False) -> list:
-    """Every rank's measurements (each rank gets all of them). ``quick``: the fixed costs of the
-    split and unsplit models only, at batch 1, over 1 and 2 blocks, short samples, the rates in one
-    pass, the wait at two lengths of work (a smoke run)."""
+    """Every rank's measurements (each rank gets all of them): in each of three windows the rates
+    and collectives (:func:`_rates`) then rounds of the fixed costs
+    (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`), the wait at a collective before the
+    last; each rate the median of the windows', each fixed cost over every round. ``quick``: the
+    fixed costs of the split and unsplit models only, at batch 1, over 1 and 2 blocks, short
+    samples, in two windows, the rates in the first only, the wait at two lengths of work (a
+    smoke run)."""
     torch.set_num_threads(1)
     device = dist.rank_device()  # its GPU under NCCL, else the host
     t0 = time.perf_counter()
@@ -174,50 +178,42 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     if quick:
         kinds, kw = ("split", "dense"), dict(layers=(1, 2), batches=(1,), min_s=0.0)
     dtypes = DTYPES if device.type == "cpu" else {"fp32": torch.float32, "bf16": torch.bfloat16}
-    passes = []  # the rates measured at the start, the middle and the end: a profile of the host's
-    # speed over the calibration, not of one moment (a shared host's speed moves within a minute)
-    first = list(dtypes)[0]  # the others once: fp64 on a host, bf16 on a GPU
-    groups = link_groups(dist.get_world_size(), device)
-
-    def rates(dts):
-        passes.append({"gemm": {k: gemm_points(dtypes[k], m_sizes, nk_sizes if k == first or device.type != "cpu"
-                                               else _other(nk_sizes), repeats, device) for k in dts},
-                       "memory": memory_rate(repeats, device),
-                       "optimizer": optimizer_rate(repeats, device, shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES),
-                       "links": link_points(groups, payloads, repeats, device)})
-    took, mine, blocks = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, {}, {}
-
-    def timed(part, fn, *a):  # where calibrate's time goes, in the profile
+    grid = dict(m_sizes=m_sizes, nk_sizes=nk_sizes, payloads=payloads, repeats=repeats, device=device,
+                groups=link_groups(dist.get_world_size(), device),
+                optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
+    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}
+    windows = _windows(repeats, 2 if quick else 3)
+    for i, rounds in enumerate(windows):
         t = time.perf_counter()
-        fn(*a)
-        took[part] += time.perf_counter() - t
-
-    def block_rounds(n):  # the fixed costs' rounds, spread over the calibration as the rates' passes
+        if i == 0 or not quick:  # the other dtypes once: fp64 on a host, bf16 on a GPU
+            passes.append(_rates({k: dtypes[k] for k in (dtypes if i == 0 else list(dtypes)[:1])}, **grid))
+        took["rates"] += time.perf_counter() - t
+        t = time.perf_counter()
+        if i == len(windows) - 1 and device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere
+            mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
+                            for tr in ("shm", "gloo")}
+        took["wait"] += time.perf_counter() - t
+        t = time.perf_counter()
         if not blocks:
             blocks.update({kind: BlockCosts(kind, new, device=device, **kw) for kind in kinds})
         for costs in blocks.values():
-            costs.rounds(n)
-
-    def wait():
-        mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
-                        for tr in ("shm", "gloo")}
-    windows = [repeats] if quick else _windows(repeats, 3)
-    timed("rates", rates, dtypes)
-    timed("blocks", block_rounds, windows[0])
-    if not quick:
-        timed("rates", rates, [first])
-        timed("blocks", block_rounds, windows[1])
-    if device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere (not measured)
-        timed("wait", wait)
-    if not quick:
-        timed("rates", rates, [first])
-        timed("blocks", block_rounds, windows[2])
+            costs.rounds(rounds)
+        took["blocks"] += time.perf_counter() - t
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
-                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
-    mine.update(_median_of_passes(passes))
-    mine["seconds"] = time.perf_counter() - t0
-    mine["seconds_by_part"] = {k: round(v, 2) for k, v in took.items()}
+                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 **_median_of_passes(passes), "seconds": time.perf_counter() - t0,
+                 "seconds_by_part": {k: round(v, 2) for k, v in took.items()}})  # where calibrate's time went
     return dist.all_gather_object(mine)
+
+
+def _rates(dtypes: dict, *, m_sizes, nk_sizes, payloads, repeats: int, device, groups, optimizer_shapes) -> dict:
+    """One window's rates: the GEMM grid in ``dtypes`` (float32's whole grid; on the host, float64
+    on ``OTHER_NK``'s shapes), the memory, the optimizer and the collectives."""
+    return {"gemm": {k: gemm_points(dt, m_sizes, nk_sizes if k == "fp32" or device.type != "cpu" else _other(nk_sizes),
+                                    repeats, device) for k, dt in dtypes.items()},
+            "memory": memory_rate(repeats, device),
+            "optimizer": optimizer_rate(repeats, device, shapes=optimizer_shapes),
+            "links": link_points(groups, payloads, repeats, device)}
 
 
 def _windows(repeats: int, count: int) -> list:
