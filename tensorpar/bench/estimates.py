@@ -15,9 +15,11 @@ rank, float32, the ~25M Llama (``BENCH_LLAMA``):
 - prefill (``generate`` of one token: the prompt's forward and the first token): tp 2 at batch 1
   and 8, prompt ``PROMPT``.
 
-Every case runs in the same interleaved rounds (:func:`~tensorpar.bench.timing.interleaved`,
-after two of warm-up), its model built once and kept: a slow spell of the shared host (seconds to
-a minute) spoils a few rounds of each case, not every round of the cases it falls on. Each time is taken on the slowest rank, after a
+The training cases run one after another, each training model freed before the next is built,
+as in a training job (:func:`_train_samples`); the inference cases in interleaved rounds
+(:func:`~tensorpar.bench.timing.interleaved`), half of them before the training cases and half
+after (:class:`_Inference`: a slow spell of the shared host spoils half of a case's rounds at most;
+their two models stay loaded while the training cases run). Each time is taken on the slowest rank, after a
 probe of the host's speed (:class:`HostSpeed`); the figure is the median over rounds (a decode step's: of each round's
 ``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
@@ -25,6 +27,7 @@ probe of the host's speed (:class:`HostSpeed`); the figure is the median over ro
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import tempfile
 import time
@@ -157,6 +160,19 @@ def _train_cases(dense, ids) -> dict:
                 case(ids, mesh=init_mesh(1, 1, pp=2), pipeline="1F1B", microbatches=MICROBATCHES))}
 
 
+def _train_samples(cases: dict, repeats: int, before) -> dict:
+    """Each training case's samples, one case at a time: its model built, ``repeats`` steps timed
+    after two of warm-up, then freed, as a training job runs one model (following other models'
+    steps in shared rounds, FSDP's took up to 2.5x its time alone)."""
+    out = {}
+    for name, (_, build) in cases.items():
+        step = build()
+        out[name] = interleaved({name: step}, repeats, warmup=2, before=before)[name]
+        del step
+        gc.collect()
+    return out
+
+
 def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, profile_dict: dict | None,
                      calibration: dict | None = None) -> dict:
     """``{"rows", "profile"}``: the cases beside their estimates; without a profile, this launch
@@ -177,19 +193,22 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
         profile = from_dict(profile_dict)
     dense = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    cases = _train_cases(dense, ids)
-    runs = {name: build() for name, (_, build) in cases.items()}
-    runs.update(_inference_runs(path, new, dense.config.vocab_size))
-    # every case in the same rounds: a slow spell of the shared host (seconds to a minute) then
-    # spoils a few of each case's rounds, and the median holds
-    speeds, before = _probed(HostSpeed(profile))
-    timed = interleaved(runs, repeats, warmup=2, before=before)
     rows = []
+    cases = _train_cases(dense, ids)
+    speed = HostSpeed(profile)
+    speeds, before = _probed(speed)
+    # the inference rounds half before the training cases and half after: a slow spell of the
+    # shared host then spoils half of a case's rounds at most, not all of them (the median holds)
+    inference = _Inference(path, profile, new, dense.config.vocab_size, speed)
+    inference.take((repeats + 1) // 2)
+    samples = _train_samples(cases, repeats, before)
+    inference.take(repeats // 2)
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
-        rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": timed[name],
-                     **judged(statistics.median(timed[name]), guess, _known(speeds, name), timed[name])})
-    return {"rows": rows + _inference_rows(path, profile, timed, speeds, new), "profile": profile.to_dict()}
+        rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
+                     **judged(statistics.median(samples[name]), guess, _known(speeds, name), samples[name])})
+    del cases
+    return {"rows": rows + inference.rows(), "profile": profile.to_dict()}
 
 
 def _known(speeds: dict, *names) -> list | None:
@@ -201,43 +220,58 @@ def _known(speeds: dict, *names) -> list | None:
     return [sum(r) / len(r) for r in rows]
 
 
-# (case, model, engine of generate, batch, what, transport, engine of the estimate)
-INFERENCE = [("decode_b1", "shm", "auto", 1, "decode", "shm", "decode"),
+class _Inference:
+    """The inference cases of one launch: their models loaded once, :meth:`take` times rounds of
+    every case (interleaved) and may be called more than once, :meth:`rows` judges them all."""
+
+    # (case, model, engine of generate, batch, what, transport, engine of the estimate)
+    CASES = [("decode_b1", "shm", "auto", 1, "decode", "shm", "decode"),
              ("decode_b8", "shm", "auto", 8, "decode", "shm", "decode"),
              ("decode_hf_b1", "shm", "hf", 1, "decode", "shm", "decode_hf"),
              ("decode_gloo_b1", "gloo", "auto", 1, "decode", "gloo", "decode"),
              ("prefill_b1", "shm", "auto", 1, "prefill", "shm", "decode"),
              ("prefill_b8", "shm", "auto", 8, "prefill", "shm", "decode")]
 
+    def __init__(self, path, profile: Profile, new: int, vocab: int, speed: HostSpeed):
+        self.path, self.profile, self.new = path, profile, new
+        shm = dist.new_group([0, 1], backend="shm")
+        models = {"shm": load_sharded(path, tp_group=shm, dtype=torch.float32)[0].eval(),
+                  "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"),
+                                       dtype=torch.float32)[0].eval()}
+        prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=torch.Generator().manual_seed(b))
+                   for b in DECODE_BATCHES}
+        self.runs = {}
+        for name, model, engine, b, what, _, _ in self.CASES:
+            ids = prompts[b]
+            self.runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
+            if what == "decode":
+                self.runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
+        self.speeds, self._before = _probed(speed)
+        self.timed = {k: [] for k in self.runs}
 
-def _inference_runs(path, new: int, vocab: int) -> dict:
-    """``{"case/1": generating one token, "case/n": generating ``new`` (decode cases)}``, without autograd."""
-    models = {"shm": load_sharded(path, tp_group=dist.new_group([0, 1], backend="shm"), dtype=torch.float32)[0].eval(),
-              "gloo": load_sharded(path, tp_group=dist.new_group([0, 1], backend="gloo"),
-                                   dtype=torch.float32)[0].eval()}
-    prompts = {b: torch.randint(0, vocab, (b, PROMPT), generator=torch.Generator().manual_seed(b))
-               for b in DECODE_BATCHES}
-    runs, infer = {}, torch.no_grad()(generate)
-    for name, model, engine, b, what, _, _ in INFERENCE:
-        for tag, count in (("1", 1), ("n", new)) if what == "decode" else (("1", 1),):
-            runs[f"{name}/{tag}"] = lambda m=models[model], e=engine, x=prompts[b], c=count: infer(m, x, c, engine=e)
-    return runs
+    def take(self, repeats: int) -> None:
+        """``repeats`` more rounds (after one of warm-up: the caches other work left), the order's
+        rotation continuing from the rounds before."""
+        done = len(next(iter(self.timed.values())))
+        with torch.no_grad():
+            for k, v in interleaved(self.runs, repeats, warmup=1, before=self._before, start=done).items():
+                self.timed[k] += v
 
-
-def _inference_rows(path, profile: Profile, timed: dict, speeds: dict, new: int) -> list:
-    rows = []
-    for name, _, engine, b, what, transport, est_engine in INFERENCE:
-        one = timed[f"{name}/1"]  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
-        samples = one if what == "prefill" else [(n - o) / (new - 1) for o, n in zip(one, timed[f"{name}/n"])]
-        layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
-        context = PROMPT + new // 2 if what == "decode" else PROMPT
-        guess = estimate(path, layout, profile, seq=context, what=what, transport=transport, engine=est_engine)
-        known = _known(speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(speeds, f"{name}/1")
-        rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
-                     f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
-                     f"{'lean' if engine == 'auto' else 'HF'} forward",
-                     "samples_s": samples, **judged(statistics.median(samples), guess, known, samples)})
-    return rows
+    def rows(self) -> list:
+        rows = []
+        for name, _, engine, b, what, transport, est_engine in self.CASES:
+            one = self.timed[f"{name}/1"]  # per round: a prefill's time, or a decode step's (t(new) - t(1)) / (new - 1)
+            samples = one if what == "prefill" else [(n - o) / (self.new - 1) for o, n in zip(one, self.timed[f"{name}/n"])]
+            layout = Layout(tp=2, micro_batch=b, dtype="fp32", workload="inference")
+            context = PROMPT + self.new // 2 if what == "decode" else PROMPT
+            guess = estimate(self.path, layout, self.profile, seq=context, what=what, transport=transport,
+                             engine=est_engine)
+            known = _known(self.speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(self.speeds, f"{name}/1")
+            rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
+                         f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
+                         f"{'lean' if engine == 'auto' else 'HF'} forward",
+                         "samples_s": samples, **judged(statistics.median(samples), guess, known, samples)})
+        return rows
 
 
 def _layout_text(layout: Layout, seq: int) -> str:

@@ -19,9 +19,10 @@ def timed(fn, group=None) -> float:
     return float(elapsed.item())
 
 
-def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None, before=None) -> dict:
+def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None, before=None, start: int = 0) -> dict:
     """Run every variant once per round, ``repeats`` rounds; returns the per-variant samples;
-    ``before(name)``, where given, runs before each sample, outside its time.
+    ``before(name)``, where given, runs before each sample, outside its time; ``start``: the first
+    round's number in the rotation (a later call continuing an earlier one's rounds).
 
     Interleaving puts each variant under the same background load, so their ratio is fair even
     when the machine's speed drifts between rounds. The order rotates by one each round and runs
@@ -33,7 +34,7 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None, befor
         for fn in variants.values():
             timed(fn, group)
     samples = {name: [] for name in names}
-    for i in range(repeats):
+    for i in range(start, start + repeats):
         for name in round_order(names, i):
             if before is not None:
                 before(name)
