@@ -27,6 +27,11 @@ def test_interleaved_rotates_the_order_each_round():
     variants = {name: (lambda name=name: calls.append(name)) for name in "xyz"}
     samples = timing.interleaved(variants, repeats=6, warmup=0)
     assert calls == list("xyzyzxzxy" "zyxxzyyxz") and all(len(v) == 6 for v in samples.values())
+    # rounds taken in two calls continue one rotation (start=): the same order as one call of six
+    calls.clear()
+    timing.interleaved(variants, repeats=4, warmup=0)
+    timing.interleaved(variants, repeats=2, warmup=0, start=4)
+    assert calls == list("xyzyzxzxy" "zyxxzyyxz")
 
 
 @pytest.mark.multirank

@@ -112,7 +112,7 @@ class Monitor:
         stopped = self._watch.stopped(running)
         found = self._watch.unresponsive(running, stopped)
         if found is not None:
-            raise RankUnresponsiveError(found[0], found[1] + self.where() + self._watch.stacks([found[0]]))
+            raise RankUnresponsiveError(found[0], found[1] + self.where() + self.stacks([found[0]]))
         if stopped or self._watch.lagging(running, flight.SETTLE_S):
             return
         states = self.states()
@@ -122,7 +122,7 @@ class Monitor:
         stuck = flight.find_stuck(self.states(returned=True), set(self.out), self._timeout + STUCK_GRACE_S)
         if stuck is not None:
             raise RankStuckError(stuck[0], f"{stuck[1]}, past the launch's timeout of {self._timeout:g}s"
-                                 + self.where() + self._watch.stacks([stuck[0]]))
+                                 + self.where() + self.stacks([stuck[0]]))
 
     def stacks(self, ranks) -> str:
         """The Python stacks of ``ranks`` that still run (:meth:`liveness.Watch.stacks`)."""
