@@ -146,7 +146,34 @@ def idle_wait_worker(seconds):
     tdist.all_reduce(x)
     cpu1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
-    return cpu, wall1 - wall0, x.tolist()
+    return cpu, wall1 - wall0, x.tolist(), _stopwatched(r, seconds / 4)
+
+
+def _stopwatched(rank, late):
+    """Under a stopwatch, rank 1 ``late`` seconds late to an all-reduce (the shared-memory fast
+    path), then to an all-gather (the timed path a ledger takes), then a module's forward: each
+    call's seconds on the stopwatch, the global module hooks seen inside, and the seconds a ledger
+    open inside a stopwatch records beside the stopwatch's."""
+    from torch.nn.modules import module as nn_module
+
+    from tensorpar.distributed import collectives
+    out = {}
+    with collectives.stopwatch() as watch:
+        for name, call in (("all_reduce", lambda: collectives.all_reduce(torch.ones(4))),
+                           ("all_gather", lambda: collectives.all_gather(torch.ones(4), 0))):
+            tdist.barrier()
+            if rank == 1:
+                time.sleep(late)
+            before = watch.seconds
+            call()
+            out[name] = watch.seconds - before
+        torch.nn.Linear(2, 2)(torch.ones(2))
+        out["hooks"] = len(nn_module._global_forward_pre_hooks) + len(nn_module._global_forward_hooks)
+        before = watch.seconds
+        with dist.ledger() as led:
+            collectives.all_reduce(torch.ones(4))
+        out["nested"] = (watch.seconds - before, led.seconds_in_collectives())
+    return out
 
 
 def peer_timeout_worker():

@@ -54,13 +54,32 @@ def test_a_rank_killed_in_a_collective_is_named_and_nothing_stays_in_dev_shm(tmp
     assert not [n for n in _our_segments() if n.startswith(tuple(f"{seg.PREFIX}{pid}-" for pid in ranks))]
 
 
+@functools.cache
+def idle_wait() -> list:
+    """One launch for the two tests of waiting ranks."""
+    return dist.launch(W.idle_wait_worker, 2, 2.0, deadline=60)
+
+
 def test_a_waiting_rank_sleeps_instead_of_spinning():
-    for rank, (cpu, wall, value) in enumerate(dist.launch(W.idle_wait_worker, 2, 2.0, deadline=60)):
+    for rank, (cpu, wall, value, _) in enumerate(idle_wait()):
         assert value == [2.0] * 4
         if rank == 0:
             assert wall > 1.5, wall
             # a rank spinning for 2 s would use ~2 s of CPU; futex sleeps use a few ms
             assert cpu < 0.2 * wall, (cpu, wall)
+
+
+def test_the_stopwatch_times_every_collective_and_hooks_nothing():
+    """calibrate takes a block's collectives out of its fixed cost with it: rank 0's stopwatch
+    holds the 0.5 s it waited for rank 1 at each call (rank 1's does not: it came late), on the
+    shared-memory fast path and the ledger's path alike, no module hook runs while it is open, and
+    a ledger inside it records no more than it adds (the ledger times the backend call alone)."""
+    for rank, (*_, got) in enumerate(idle_wait()):
+        for op in ("all_reduce", "all_gather"):
+            assert (0.45 < got[op] < 2.0) if rank == 0 else (got[op] < 0.25), (rank, op, got[op])
+        assert got["hooks"] == 0
+        on_watch, on_ledger = got["nested"]
+        assert 0 < on_ledger <= on_watch < on_ledger + 0.05, (on_ledger, on_watch)
 
 
 def test_a_peer_that_never_arrives_ends_at_the_timeout_naming_it():

@@ -22,8 +22,9 @@ windows of a few seconds).
   unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
   backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
   data-parallel over the ranks (DDP, FSDP) for a training step; the slope over blocks is the cost
-  of one block call, the intercept the step's own; the time spent inside collectives (the
-  ledger's) is taken out, as the estimate counts collectives by their own fit; its rounds are
+  of one block call, the intercept the step's own; the time spent inside collectives (a
+  stopwatch's: a ledger's hooks would be timed too) is taken out, as the estimate counts
+  collectives by their own fit; its rounds are
   spread over the same three windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to

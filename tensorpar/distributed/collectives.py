@@ -22,7 +22,10 @@ torch's "modified by an inplace operation" error instead of using the new values
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
@@ -37,6 +40,47 @@ from tensorpar.distributed import shm
 from tensorpar.distributed.shm import transport
 
 _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+@dataclass
+class Stopwatch:
+    """Wall seconds this rank spent in the synchronous collectives of this module (waiting for
+    peers, and the flight recorder's checks, included) while :func:`stopwatch` was open."""
+    seconds: float = 0.0
+
+
+_WATCH: contextvars.ContextVar["Stopwatch | None"] = contextvars.ContextVar("tensorpar_stopwatch", default=None)
+
+
+@contextlib.contextmanager
+def stopwatch():
+    """Time the collectives inside the block and nothing else: no records, no module hooks, the
+    shared-memory fast path kept. A ledger's ``seconds_in_collectives`` times the backend calls
+    too, but its hooks and records run in the step (and a decode step's all-reduces leave the
+    fast path under it): a tiny model's decode step ran up to a third slower. ``calibrate`` takes
+    the collectives out of a block's fixed cost with this."""
+    watch = Stopwatch()
+    token = _WATCH.set(watch)
+    try:
+        yield watch
+    finally:
+        _WATCH.reset(token)
+
+
+def _watched(fn):
+    """``fn`` (a collective) timed into the open stopwatch, unless it returns at once (``async_op``)."""
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        watch = _WATCH.get()
+        if watch is None or kwargs.get("async_op"):
+            return fn(*args, **kwargs)
+        token, t0 = _WATCH.set(None), time.perf_counter()  # a collective made of others counts once
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            watch.seconds += time.perf_counter() - t0
+            _WATCH.reset(token)
+    return timed
 
 
 def _record(op: str, tensor: torch.Tensor, group, phase: str, module: str | None, *,
@@ -72,6 +116,7 @@ def _on_wire(led: "Ledger | None", group):
         led.set_wire(index, after[0] - before[0], after[1] - before[1])
 
 
+@_watched
 def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "forward",
                module: str | None = None, record_to: Ledger | None = None,
                async_op: bool = False):
@@ -112,6 +157,7 @@ def all_reduce(x: torch.Tensor, group=None, op: str = "sum", *, phase: str = "fo
     return work if async_op else x
 
 
+@_watched
 def all_gather(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
                module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
@@ -138,6 +184,7 @@ def _back(out: torch.Tensor, dim: int) -> torch.Tensor:
     return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
+@_watched
 def reduce_scatter(x: torch.Tensor, dim: int, group=None, *, phase: str = "forward",
                    module: str | None = None, record_to: Ledger | None = None) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's chunk of ``dim`` (size ``x.shape[dim] // p``)."""
@@ -180,6 +227,7 @@ def _ring_reduce_scatter(moved: torch.Tensor, group) -> torch.Tensor:
     return chunks[r]
 
 
+@_watched
 def broadcast(x: torch.Tensor, src: int = 0, group=None, *, module: str | None = None) -> torch.Tensor:
     """In-place broadcast from group rank ``src``."""
     if group_size(group) == 1:
