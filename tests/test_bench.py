@@ -402,10 +402,11 @@ def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_the
     median over rounds of each round's slope over depths, so one spoiled round (a slow spell) does
     not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
     ``(t(new) - t(1)) / (new - 1)``, prefill from the long generation."""
-    from tensorpar.bench.calibrate import _windows
+    from tensorpar.bench.timing import spread
     from tensorpar.bench.calibrate_costs import BlockCosts
 
-    assert _windows(5, 3) == [2, 2, 1] and _windows(3, 2) == [2, 1] and _windows(1, 3) == [1, 0, 0]
+    assert spread(5, 3) == [2, 2, 1] and spread(3, 2) == [2, 1] and spread(1, 3) == [1, 0, 0]
+    assert spread(11, 5) == [3, 2, 2, 2, 2]  # the estimates bench's inference groups around 4 training cases
     costs = BlockCosts.__new__(BlockCosts)  # its arithmetic over given samples, no model
     costs._layers, costs._new = (1, 6), 17
     costs._samples = {"train": {1: [0.6, 0.6, 5.0], 6: [1.1, 1.1, 9.0]},  # 0.5 + 0.1 a block; round 3 spoiled

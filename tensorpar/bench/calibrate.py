@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from tensorpar import distributed as dist
 from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
                                              BlockCosts, collective_wait, optimizer_rate, wait_points)
+from tensorpar.bench.timing import spread
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
@@ -188,7 +189,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
                 groups=link_groups(dist.get_world_size(), device),
                 optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
     took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}
-    windows = _windows(repeats, 2 if quick else 3)
+    windows = spread(repeats, 2 if quick else 3)
     for i, rounds in enumerate(windows):
         t = time.perf_counter()
         if i == 0 or not quick:  # the other dtypes once: fp64 on a host, bf16 on a GPU
@@ -221,11 +222,6 @@ def _rates(dtypes: dict, *, m_sizes, nk_sizes, payloads, repeats: int, device, g
             "memory": memory_rate(repeats, device),
             "optimizer": optimizer_rate(repeats, device, shapes=optimizer_shapes),
             "links": link_points(groups, payloads, repeats, device)}
-
-
-def _windows(repeats: int, count: int) -> list:
-    """``repeats`` rounds in ``count`` windows, as even as they go, the larger first: 5 in 3 -> [2, 2, 1]."""
-    return [repeats // count + (i < repeats % count) for i in range(count)]
 
 
 def _other(nk_sizes) -> tuple:

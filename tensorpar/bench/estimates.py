@@ -17,9 +17,9 @@ rank, float32, the ~25M Llama (``BENCH_LLAMA``):
 
 The training cases run one after another, each training model freed before the next is built,
 as in a training job (:func:`_train_samples`); the inference cases in interleaved rounds
-(:func:`~tensorpar.bench.timing.interleaved`), half of them before the training cases and half
-after (:class:`_Inference`: a slow spell of the shared host spoils half of a case's rounds at most;
-their two models stay loaded while the training cases run). Each time is taken on the slowest rank, after a
+(:func:`~tensorpar.bench.timing.interleaved`), in groups before, between and after the training
+cases (:class:`_Inference`: a slow spell of the shared host spoils a group or two of a case's
+rounds; their two models stay loaded while the training cases run). Each time is taken on the slowest rank, after a
 probe of the host's speed (:class:`HostSpeed`); the figure is the median over rounds (a decode step's: of each round's
 ``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
@@ -40,7 +40,7 @@ from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.bench import calibrate, train
-from tensorpar.bench.timing import interleaved
+from tensorpar.bench.timing import interleaved, spread
 from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.models.checkpoint import load_sharded
 from tensorpar.models.generation import generate
@@ -160,16 +160,18 @@ def _train_cases(dense, ids) -> dict:
                 case(ids, mesh=init_mesh(1, 1, pp=2), pipeline="1F1B", microbatches=MICROBATCHES))}
 
 
-def _train_samples(cases: dict, repeats: int, before) -> dict:
+def _train_samples(cases: dict, repeats: int, before, after_each=lambda: None) -> dict:
     """Each training case's samples, one case at a time: its model built, ``repeats`` steps timed
     after two of warm-up, then freed, as a training job runs one model (following other models'
-    steps in shared rounds, FSDP's took up to 2.5x its time alone)."""
+    steps in shared rounds, FSDP's took up to 2.5x its time alone); ``after_each()`` once each
+    case is done."""
     out = {}
     for name, (_, build) in cases.items():
         step = build()
         out[name] = interleaved({name: step}, repeats, warmup=2, before=before)[name]
         del step
         gc.collect()
+        after_each()
     return out
 
 
@@ -197,12 +199,13 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     cases = _train_cases(dense, ids)
     speed = HostSpeed(profile)
     speeds, before = _probed(speed)
-    # the inference rounds half before the training cases and half after: a slow spell of the
-    # shared host then spoils half of a case's rounds at most, not all of them (the median holds)
+    # the inference rounds in groups before, between and after the training cases: a slow spell
+    # of the shared host (seconds to a minute) then spoils one or two groups of a case's rounds,
+    # not half of them (it did: the median then lands on the spell's edge)
     inference = _Inference(path, profile, new, dense.config.vocab_size, speed)
-    inference.take((repeats + 1) // 2)
-    samples = _train_samples(cases, repeats, before)
-    inference.take(repeats // 2)
+    groups = iter(spread(repeats, len(cases) + 1))
+    inference.take(next(groups))
+    samples = _train_samples(cases, repeats, before, after_each=lambda: inference.take(next(groups)))
     for name, (layout, _) in cases.items():
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
@@ -251,7 +254,9 @@ class _Inference:
 
     def take(self, repeats: int) -> None:
         """``repeats`` more rounds (after one of warm-up: the caches other work left), the order's
-        rotation continuing from the rounds before."""
+        rotation continuing from the rounds before; none: nothing runs."""
+        if repeats <= 0:
+            return
         done = len(next(iter(self.timed.values())))
         with torch.no_grad():
             for k, v in interleaved(self.runs, repeats, warmup=1, before=self._before, start=done).items():

@@ -42,6 +42,12 @@ def interleaved(variants: dict, repeats: int, warmup: int = 1, group=None, befor
     return samples
 
 
+def spread(n: int, count: int) -> list:
+    """``n`` rounds in ``count`` groups, as even as they go, the larger first: 5 in 3 -> [2, 2, 1]
+    (a calibration's windows, a bench's groups between its other cases)."""
+    return [n // count + (i < n % count) for i in range(count)]
+
+
 def round_order(names: list, i: int) -> list:
     """Round ``i``'s order: ``names`` rotated by i, reversed when ``i // len(names)`` is odd."""
     k = i % len(names)
