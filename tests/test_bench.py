@@ -417,6 +417,46 @@ def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_the
     assert out["prefill"] == pytest.approx((0.2, 0.8))  # one token: 1.0 and 2.0
 
 
+def test_the_fixed_costs_model_reads_past_the_caches_before_each_norm_and_takes_the_reads_out(monkeypatch):
+    """Every norm of the tiny model reads the next 4 MiB slice of a 64 MiB pool first (so a block
+    runs with cold caches, as in a model whose weights pass through them), and a sample takes the
+    reads' own time out: on a clock that reads advance by 1 and the rest of a call by 10, a call of
+    three reads samples at 10, not 13. Catches: the reads left in the sample, hooks on modules
+    other than the norms, one slice read again and again (it would stay in the cache), reads on a
+    GPU's host."""
+    import torch
+
+    from tensorpar.bench import calibrate_costs as cc
+    from tensorpar.models.tiny import make_tiny_model
+
+    model = make_tiny_model("llama", dtype=torch.float32, num_hidden_layers=2, **cc.TINY)
+    cold = cc.ColdCaches("cpu")
+    cold.hook(model)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("Norm")]
+    assert len(norms) == 2 * 2 + 1  # two a block and the final one
+    assert [t.numel() * 4 for t in cold.pool] == [cc.FLUSH_BYTES] * (cc.COLD_BYTES // cc.FLUSH_BYTES)
+    with torch.no_grad():
+        model(torch.arange(4).reshape(1, 4))
+    assert cold._turn == len(norms) and cold.spent > 0
+    assert not cc.ColdCaches("cuda").active and cc.ColdCaches("cuda").pool == []
+
+    clock = [0.0]
+
+    class Slice:
+        def sum(self):
+            clock[0] += 1.0
+    cold.pool, cold.spent = [Slice()] * 16, 0.0
+    monkeypatch.setattr(cc.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(cc.dist, "broadcast", lambda t, src: t)  # one process: nothing to agree on
+
+    def call():
+        for _ in range(3):
+            cold._read(None, None)
+        clock[0] += 10.0
+    sample = cc._sampler(call, min_s=0.02, cold=cold)
+    assert [sample() for _ in range(3)] == [10.0] * 3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["calibrate", "--ranks", "1"], "--ranks (1) must be an integer >= 2"),
     (["calibrate", "--repeats", "2"], "--repeats 2: need at least 3"),

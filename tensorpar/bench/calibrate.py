@@ -24,7 +24,9 @@ windows of a few seconds).
   data-parallel over the ranks (DDP, FSDP) for a training step; the slope over blocks is the cost
   of one block call, the intercept the step's own; the time spent inside collectives (a
   stopwatch's: a ledger's hooks would be timed too) is taken out, as the estimate counts
-  collectives by their own fit; its rounds are
+  collectives by their own fit; on the host each norm first reads 4 MiB past the caches, as a
+  real model's weights leave them (:class:`~tensorpar.bench.calibrate_costs.ColdCaches`, the
+  reads' time taken out); its rounds are
   spread over the same three windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
@@ -48,7 +50,7 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
-                                             BlockCosts, collective_wait, optimizer_rate, wait_points)
+                                             BlockCosts, ColdCaches, collective_wait, optimizer_rate, wait_points)
 from tensorpar.bench.timing import spread
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.planner.hardware import Hardware
@@ -203,7 +205,8 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
         took["wait"] += time.perf_counter() - t
         t = time.perf_counter()
         if not blocks:
-            blocks.update({kind: BlockCosts(kind, new, device=device, **kw) for kind in kinds})
+            cold = ColdCaches(device)
+            blocks.update({kind: BlockCosts(kind, new, device=device, cold=cold, **kw) for kind in kinds})
         for costs in blocks.values():
             costs.rounds(rounds)
         took["blocks"] += time.perf_counter() - t
