@@ -483,3 +483,36 @@ def test_a_profile_without_measured_gemms_has_no_host_speed_and_is_judged_raw():
     assert row["measured_vs_estimate"] == 1.5 and not row["within_target"] and "host_speed" not in row
     row = judged(1.5, {"estimate_s": 1.0}, _known({"a/1": [0.5, 1.0], "a/n": [0.7, 1.0]}, "a/1", "a/n"), [2.0, 1.0])
     assert row["speeds"] == pytest.approx([0.6, 1.0]) and row["at_profile_speed_vs_estimate"] == pytest.approx(1.1)
+
+
+def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(monkeypatch):
+    """Before a sample, a probe under 0.9 of the calibrated speed is waited for (probed again every
+    2 s), at most 20 s a sample and the run's budget in all; a preset (no probe) never waits.
+    Catches: no wait, a wait without end (a slow spell of a minute), the budget not spent, the
+    sample's own time deciding instead of the probe's."""
+    from tensorpar.bench import estimates as E
+    from tensorpar.planner.profile import published
+
+    slept = []
+    monkeypatch.setattr(E.time, "sleep", slept.append)
+
+    class Probe(E.HostSpeed):
+        def __init__(self, readings, budget_s=E.SETTLE_BUDGET_S):
+            super().__init__(published("h100-sxm"), budget_s=budget_s)
+            self.readings = iter(readings)
+
+        def __call__(self):
+            return next(self.readings)
+
+    assert Probe([1.0]).settled() == (1.0, 0.0) and slept == []
+    assert Probe([0.8, 0.85, 0.95]).settled() == (0.95, 4.0) and slept == [2.0, 2.0]
+    slow = Probe([0.5] * 100)
+    assert slow.settled() == (0.5, 20.0)  # a sample's most
+    assert slow.budget_s == E.SETTLE_BUDGET_S - 20.0
+    spent = Probe([0.5] * 100, budget_s=5.0)
+    assert spent.settled() == (0.5, 4.0) and spent.settled() == (0.5, 0.0)  # the run's budget, then none
+    assert E.HostSpeed(published("h100-sxm")).settled() == (None, 0.0)  # a preset: nothing to probe
+    speeds, waited, before = E._probed(Probe([0.8, 0.95, 1.0]))
+    before("tp2")
+    before("tp2")
+    assert speeds == {"tp2": [0.95, 1.0]} and waited == {"tp2": 2.0}

@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tensorpar.bench.estimates import TARGET, estimates_table  # noqa: E402
+from tensorpar.bench.estimates import (SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S, TARGET,  # noqa: E402
+                                       estimates_table)
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORPAR = [sys.executable, "-m", "tensorpar"]
@@ -84,9 +85,14 @@ def page(runs: list) -> str:
     if missed:
         verdict += " Outside it in at least one run: " + "; ".join(
             f"{c} ({', '.join(f'{x:.2f}' for x in v)})" for c, v in missed.items()) + "."
+    waits = [sum(r.get("host_wait_s", 0.0) for r in run["rows"]) for run in runs]
+    waited = ("Before its samples, each run waited for the host in a slow spell (a probe under "
+              f"{SETTLE_FLOOR:.0%} of its calibrated speed; at most {SETTLE_WAIT_S:.0f} s a sample, "
+              f"{SETTLE_BUDGET_S:.0f} s a run): " + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits))
+              + ".\n\n")
     return (head + estimates_table(last["rows"]) + "\nMeasured / estimate in each run (in brackets: the host's "
             "speed during the case against its calibration's, the median of the probes before each sample; "
-            "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + verdict + "\n")
+            "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + waited + verdict + "\n")
 
 
 def main(argv=None) -> int:
