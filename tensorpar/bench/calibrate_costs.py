@@ -90,7 +90,8 @@ class ColdCaches:
 
     Measured on this project's 2-core VM (the ~25M Llama at tp 2, 6 blocks): a prompt's forward
     spent 1.8 ms outside its GEMMs and collectives with the GEMMs replaced by stand-ins of the
-    right shape, 2.9 ms with them; the tiny model's block took 124-256 us warm and 297-329 us so."""
+    right shape, 2.9 ms with them; the tiny model's prefill block took 124-256 us with warm caches and
+    297-329 us after these reads."""
 
     def __init__(self, device="cpu"):
         self.active = torch.device(device).type == "cpu"
