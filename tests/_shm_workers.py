@@ -150,17 +150,29 @@ def idle_wait_worker(seconds):
 
 
 def _stopwatched(rank, late):
-    """Under a stopwatch, rank 1 ``late`` seconds late to an all-reduce (the shared-memory fast
-    path), then to an all-gather (the timed path a ledger takes), then a module's forward: each
-    call's seconds on the stopwatch, the global module hooks seen inside, and the seconds a ledger
-    open inside a stopwatch records beside the stopwatch's."""
+    """Under a stopwatch, rank 1 ``late`` seconds late to each collective: an all-reduce (the
+    shared-memory fast path), an all-gather (the timed path a ledger takes), a reduce-scatter, a
+    broadcast, and an asynchronous all-reduce whose ``wait()`` blocks; each call's seconds on the
+    stopwatch, the global module hooks seen inside, and the seconds a ledger open inside a
+    stopwatch records beside the stopwatch's."""
     from torch.nn.modules import module as nn_module
 
     from tensorpar.distributed import collectives
+
+    gloo = dist.new_group([0, 1], backend="gloo")  # asynchronous for real (shared memory serves in the call)
+    dist.check_collectives(False)  # nor does the flight recorder's check wait for the peer in the call
+
+    def waited_async():
+        work = collectives.all_reduce(torch.ones(4), gloo, async_op=True)
+        time.sleep(late / 2)  # work overlapping the call: not the collective's time
+        work.wait()
     out = {}
     with collectives.stopwatch() as watch:
         for name, call in (("all_reduce", lambda: collectives.all_reduce(torch.ones(4))),
-                           ("all_gather", lambda: collectives.all_gather(torch.ones(4), 0))):
+                           ("all_gather", lambda: collectives.all_gather(torch.ones(4), 0)),
+                           ("reduce_scatter", lambda: collectives.reduce_scatter(torch.ones(4), 0)),
+                           ("broadcast", lambda: collectives.broadcast(torch.ones(4), 0)),
+                           ("async", waited_async)):
             tdist.barrier()
             if rank == 1:
                 time.sleep(late)

@@ -316,6 +316,7 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
         assert r["at_profile_speed_vs_estimate"] == pytest.approx(at_speed)
         assert r["within_target"] == (abs(r["measured_vs_estimate"] - 1) <= TARGET)
         assert r["dominant"] == max(r["terms"], key=r["terms"].get)
+        assert r["host_wait_s"] == 0  # a smoke run never waits for the host
     by = {r["case"]: r for r in rows}
     assert by["pp2"]["terms"]["bubble_s"] > 0 and by["pp2"]["terms"]["pp_comm_s"] > 0
     assert by["tp2"]["terms"]["tp_comm_s"] > 0 and by["dp2_ddp"]["terms"]["dp_comm_s"] > 0
@@ -440,12 +441,16 @@ def test_the_fixed_costs_model_reads_past_the_caches_before_each_norm_and_takes_
     assert cold._turn == len(norms) and cold.spent > 0
     assert not cc.ColdCaches("cuda").active and cc.ColdCaches("cuda").pool == []
 
-    clock = [0.0]
+    clock, read = [0.0], []
 
     class Slice:
+        def __init__(self, i):
+            self.i = i
+
         def sum(self):
+            read.append(self.i)
             clock[0] += 1.0
-    cold.pool, cold.spent = [Slice()] * 16, 0.0
+    cold.pool, cold.spent, cold._turn = [Slice(i) for i in range(16)], 0.0, 0
     monkeypatch.setattr(cc.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(cc.dist, "broadcast", lambda t, src: t)  # one process: nothing to agree on
 
@@ -455,6 +460,7 @@ def test_the_fixed_costs_model_reads_past_the_caches_before_each_norm_and_takes_
         clock[0] += 10.0
     sample = cc._sampler(call, min_s=0.02, cold=cold)
     assert [sample() for _ in range(3)] == [10.0] * 3
+    assert read == [i % 16 for i in range(len(read))] and len(read) == 12  # each slice in turn, from memory
 
 
 @pytest.mark.parametrize("argv, message", [

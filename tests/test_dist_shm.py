@@ -72,14 +72,18 @@ def test_a_waiting_rank_sleeps_instead_of_spinning():
 def test_the_stopwatch_times_every_collective_and_hooks_nothing():
     """calibrate takes a block's collectives out of its fixed cost with it: rank 0's stopwatch
     holds the 0.5 s it waited for rank 1 at each call (rank 1's does not: it came late), on the
-    shared-memory fast path and the ledger's path alike, no module hook runs while it is open, and
-    a ledger inside it records no more than it adds (the ledger times the backend call alone)."""
+    shared-memory fast path, the ledger's path, a reduce-scatter and a broadcast alike, and for an
+    asynchronous all-reduce over gloo the time its wait() blocked (0.25 s), not the 0.25 s of
+    work done between the call and the wait; no module hook runs while
+    it is open, and a ledger inside it records no more than it adds (the ledger times the backend
+    call alone). Margins: 0.2 s for a rank leaving the barrier late on a loaded host."""
     for rank, (*_, got) in enumerate(idle_wait()):
-        for op in ("all_reduce", "all_gather"):
-            assert (0.45 < got[op] < 2.0) if rank == 0 else (got[op] < 0.25), (rank, op, got[op])
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            assert (0.3 < got[op] < 2.0) if rank == 0 else (got[op] < 0.2), (rank, op, got[op])
+        assert (0.1 < got["async"] < 0.45) if rank == 0 else (got["async"] < 0.2), (rank, got["async"])
         assert got["hooks"] == 0
         on_watch, on_ledger = got["nested"]
-        assert 0 < on_ledger <= on_watch < on_ledger + 0.05, (on_ledger, on_watch)
+        assert 0 < on_ledger <= on_watch < on_ledger + 0.2, (on_ledger, on_watch)
 
 
 def test_a_peer_that_never_arrives_ends_at_the_timeout_naming_it():

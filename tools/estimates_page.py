@@ -1,7 +1,7 @@
 """docs/bench/estimates.md: `tensorpar calibrate` then `tensorpar bench --suite estimates`, three
 times one after the other, and every case's measured / estimate in each run (issue 23's test).
 
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~6 min
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~7-13 min
     .venv/bin/python tools/estimates_page.py --from bench/out/estimates-runs               # re-render
 
 Each run's profile and bench output stay in ``--dir`` (default bench/out/estimates-runs); the page
@@ -85,11 +85,13 @@ def page(runs: list) -> str:
     if missed:
         verdict += " Outside it in at least one run: " + "; ".join(
             f"{c} ({', '.join(f'{x:.2f}' for x in v)})" for c, v in missed.items()) + "."
-    waits = [sum(r.get("host_wait_s", 0.0) for r in run["rows"]) for run in runs]
-    waited = ("Before its samples, each run waited for the host in a slow spell (a probe under "
-              f"{SETTLE_FLOOR:.0%} of its calibrated speed; at most {SETTLE_WAIT_S:.0f} s a sample, "
-              f"{SETTLE_BUDGET_S:.0f} s a run): " + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits))
-              + ".\n\n")
+    waited = ""
+    if all("host_wait_s" in r for run in runs for r in run["rows"]):  # runs from before the wait have no figure
+        waits = [sum(r["host_wait_s"] for r in run["rows"]) for run in runs]
+        waited = ("Before its samples, each run waited for the host in a slow spell (a probe under "
+                  f"{SETTLE_FLOOR:.0%} of its calibrated speed; sleeping at most {SETTLE_WAIT_S:.0f} s a sample, "
+                  f"{SETTLE_BUDGET_S:.0f} s a run; the speeds in brackets are the probes' after any wait): "
+                  + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits)) + ".\n\n")
     return (head + estimates_table(last["rows"]) + "\nMeasured / estimate in each run (in brackets: the host's "
             "speed during the case against its calibration's, the median of the probes before each sample; "
             "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + waited + verdict + "\n")

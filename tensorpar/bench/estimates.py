@@ -20,7 +20,8 @@ as in a training job (:func:`_train_samples`); the inference cases in interleave
 (:func:`~tensorpar.bench.timing.interleaved`), in groups before, between and after the training
 cases (:class:`_Inference`: a slow spell of the shared host spoils a group or two of a case's
 rounds; their two models stay loaded while the training cases run). Each time is taken on the slowest rank, after a
-probe of the host's speed (:class:`HostSpeed`); the figure is the median over rounds (a decode step's: of each round's
+probe of the host's speed (:class:`HostSpeed`; a host in a slow spell is waited for, within bounds:
+:meth:`HostSpeed.settled`); the figure is the median over rounds (a decode step's: of each round's
 ``(t(new) - t(1)) / (new - 1)``). The planner sees the checkpoint's own split
 (``MetaSource``), the layout, and the profile with its link set to the case's transport.
 """
@@ -113,8 +114,9 @@ class HostSpeed:
     :meth:`settled` waits, before a sample, for a host in a slow spell to come back to its
     calibrated speed (the profile describes the machine as calibrated; a neighbour taking a
     fifth of the CPU is not that machine): while the probe reads under ``SETTLE_FLOOR`` it sleeps
-    ``SETTLE_POLL_S`` and probes again, at most ``SETTLE_WAIT_S`` a sample and ``SETTLE_BUDGET_S``
-    a run; then the sample is taken whatever the probe reads. The probe, not the sample, decides,
+    ``SETTLE_POLL_S`` and probes again, sleeping at most ``SETTLE_WAIT_S`` a sample and
+    ``SETTLE_BUDGET_S`` a run (the probes' own time, about 0.1 s each, comes on top); then the
+    sample is taken whatever the probe reads. The probe, not the sample, decides,
     and every rank sees the same reading (the slowest rank's), so they wait together."""
 
     def __init__(self, profile: Profile, budget_s: float | None = None):
@@ -208,12 +210,10 @@ def _train_samples(cases: dict, repeats: int, before, after_each=lambda: None) -
 
 
 def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, profile_dict: dict | None,
-                     calibration: dict | None = None, settle_s: float | None = None) -> dict:
+                     calibration: dict | None = None) -> dict:
     """``{"rows", "profile"}``: the cases beside their estimates; without a profile, this launch
     measures one first (:func:`tensorpar.bench.calibrate.calibrate_worker`, ``calibration`` its
-    arguments). ``settle_s``: the most this run waits for a host in a slow spell
-    (:meth:`HostSpeed.settled`; default ``SETTLE_BUDGET_S``, none in a smoke run, which passes
-    ``calibration``)."""
+    arguments: a smoke run's, which never waits for the host, :meth:`HostSpeed.settled`)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -231,7 +231,7 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     ids = torch.randint(0, dense.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     rows = []
     cases = _train_cases(dense, ids)
-    speed = HostSpeed(profile, budget_s=settle_s if settle_s is not None else 0.0 if calibration else None)
+    speed = HostSpeed(profile, budget_s=0.0 if calibration else None)
     speeds, waited, before = _probed(speed)
     # the inference rounds in groups before, between and after the training cases: a slow spell
     # of the shared host (seconds to a minute) then spoils one or two groups of a case's rounds,
@@ -322,15 +322,13 @@ def _layout_text(layout: Layout, seq: int) -> str:
 
 
 def run_estimates_bench(profile: Profile | None, repeats: int = 5, sizes=None, batch: int = BATCH, seq: int = SEQ,
-                        new: int = NEW, calibration: dict | None = None,
-                        settle_s: float | None = None) -> tuple[list, Profile]:
+                        new: int = NEW, calibration: dict | None = None) -> tuple[list, Profile]:
     """Rank 0's rows, one per case (see the module docstring), and the profile they were estimated
-    from (measured in the same launch when ``profile`` is None); ``settle_s``: :func:`estimates_worker`'s."""
+    from (measured in the same launch when ``profile`` is None)."""
     with tempfile.TemporaryDirectory(prefix="tensorpar-bench-estimates-") as tmp:
         path = make_tiny_checkpoint(Path(tmp) / "llama", "llama", dtype=torch.float32, **(sizes or BENCH_LLAMA))
         out = dist.launch(estimates_worker, 2, str(path), repeats, batch, seq, new,
-                          None if profile is None else profile.to_dict(), calibration, settle_s, backend="auto",
-                          timeout=600)[0]
+                          None if profile is None else profile.to_dict(), calibration, backend="auto", timeout=600)[0]
     return out["rows"], from_dict(out["profile"])
 
 

@@ -22,8 +22,8 @@ torch's "modified by an inplace operation" error instead of using the new values
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -44,12 +44,16 @@ _OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.Reduc
 
 @dataclass
 class Stopwatch:
-    """Wall seconds this rank spent in the synchronous collectives of this module (waiting for
-    peers, and the flight recorder's checks, included) while :func:`stopwatch` was open."""
+    """Wall seconds this rank spent in the collectives of this module while :func:`stopwatch` was
+    open: each call whole (waiting for peers, and the flight recorder's checks, included) and, for
+    an asynchronous one, as long as its ``wait()`` blocked (not the work done meanwhile)."""
     seconds: float = 0.0
 
 
-_WATCH: contextvars.ContextVar["Stopwatch | None"] = contextvars.ContextVar("tensorpar_stopwatch", default=None)
+# The open stopwatch of this process: a module global, not a ContextVar, so that a backward pass
+# on autograd's own threads (always on CUDA) counts into it too; nested stopwatches restore it.
+_WATCH: "Stopwatch | None" = None
+_INSIDE = threading.local()  # a collective made of others counts once
 
 
 @contextlib.contextmanager
@@ -59,27 +63,48 @@ def stopwatch():
     too, but its hooks and records run in the step (and a decode step's all-reduces leave the
     fast path under it): a tiny model's decode step ran up to a third slower. ``calibrate`` takes
     the collectives out of a block's fixed cost with this."""
-    watch = Stopwatch()
-    token = _WATCH.set(watch)
+    global _WATCH
+    outer, watch = _WATCH, Stopwatch()
+    _WATCH = watch
     try:
         yield watch
     finally:
-        _WATCH.reset(token)
+        _WATCH = outer
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose ``wait()`` adds the time it blocked to ``watch``."""
+
+    def __init__(self, work, watch: Stopwatch):
+        self._work, self._watch = work, watch
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._watch.seconds += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def _watched(fn):
-    """``fn`` (a collective) timed into the open stopwatch, unless it returns at once (``async_op``)."""
+    """``fn`` (a collective) timed into the open stopwatch; an ``async_op`` call also by its handle's wait."""
     @functools.wraps(fn)
     def timed(*args, **kwargs):
-        watch = _WATCH.get()
-        if watch is None or kwargs.get("async_op"):
+        watch = _WATCH
+        if watch is None or getattr(_INSIDE, "on", False):
             return fn(*args, **kwargs)
-        token, t0 = _WATCH.set(None), time.perf_counter()  # a collective made of others counts once
+        _INSIDE.on, t0 = True, time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             watch.seconds += time.perf_counter() - t0
-            _WATCH.reset(token)
+            _INSIDE.on = False
+        # an asynchronous call's handle: the time its wait() blocks too (the issuing call may
+        # itself have blocked: the flight recorder's check, a transport that serves it at once)
+        return _TimedWork(out, watch) if kwargs.get("async_op") and out is not None else out
     return timed
 
 
