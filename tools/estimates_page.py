@@ -1,7 +1,7 @@
 """docs/bench/estimates.md: `tensorpar calibrate` then `tensorpar bench --suite estimates`, three
 times one after the other, and every case's measured / estimate in each run (issue 23's test).
 
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~7-13 min
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~7-19 min
     .venv/bin/python tools/estimates_page.py --from bench/out/estimates-runs               # re-render
 
 Each run's profile and bench output stay in ``--dir`` (default bench/out/estimates-runs); the page
