@@ -491,6 +491,22 @@ def test_a_profile_without_measured_gemms_has_no_host_speed_and_is_judged_raw():
     assert row["speeds"] == pytest.approx([0.6, 1.0]) and row["at_profile_speed_vs_estimate"] == pytest.approx(1.1)
 
 
+def test_a_run_that_finds_the_host_faster_than_its_profile_flags_the_calibration():
+    """The median over every sample's probe at ``PROFILE_SLOW`` or more: the profile was measured
+    in a slow spell (its estimates run high), and the bench says so; under it, or with no probes (a
+    preset), nothing. Catches: the mean (one fast sample flagging a sound run), a threshold on one
+    case's probes, a note for a run without probes."""
+    from tensorpar.bench.estimates import PROFILE_SLOW, spell_note
+
+    sound = [{"speeds": [0.95, 1.0, 1.02]}, {"speeds": [1.04, 3.0]}, {}]  # mean 1.4, median 1.02
+    assert spell_note(sound) is None
+    assert spell_note([{}, {"speeds": None}]) is None
+    spell = [{"speeds": [1.12, 1.15, 0.99]}, {"speeds": [1.1, 1.09]}, {}]
+    note = spell_note(spell)
+    assert note is not None and "1.10x" in note and "5 samples" in note and "calibrate again" in note
+    assert spell_note([{"speeds": [PROFILE_SLOW]}]) is not None and spell_note([{"speeds": [PROFILE_SLOW - 0.01]}]) is None
+
+
 def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(monkeypatch):
     """Before a sample, a probe under 0.9 of the calibrated speed is waited for (probed again every
     2 s), at most 20 s a sample and the run's budget in all; a preset (no probe) never waits.

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.bench.estimates import (SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S, TARGET,  # noqa: E402
-                                       estimates_table)
+                                       estimates_table, spell_note)
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORPAR = [sys.executable, "-m", "tensorpar"]
@@ -92,6 +92,9 @@ def page(runs: list) -> str:
                   f"{SETTLE_FLOOR:.0%} of its calibrated speed; sleeping at most {SETTLE_WAIT_S:.0f} s a sample, "
                   f"{SETTLE_BUDGET_S:.0f} s a run; the speeds in brackets are the probes' after any wait): "
                   + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits)) + ".\n\n")
+    spells = [f"run {i + 1}: {note}" for i, run in enumerate(runs) if (note := spell_note(run["rows"]))]
+    if spells:
+        waited += "Flagged by the bench: " + "; ".join(spells) + ".\n\n"
     return (head + estimates_table(last["rows"]) + "\nMeasured / estimate in each run (in brackets: the host's "
             "speed during the case against its calibration's, the median of the probes before each sample; "
             "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + waited + verdict + "\n")

@@ -121,7 +121,7 @@ def _run(args, suites, out, phase):
     if "estimates" in suites:
         from tensorpar.bench.calibrate import QUICK as CALIBRATE_QUICK
         from tensorpar.bench.estimates import QUICK as ESTIMATES_QUICK
-        from tensorpar.bench.estimates import estimates_table, run_estimates_bench
+        from tensorpar.bench.estimates import estimates_table, run_estimates_bench, spell_note
 
         given = Path(args.profile).is_file()
         profile = load(args.profile) if given else None
@@ -135,8 +135,11 @@ def _run(args, suites, out, phase):
             Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
             profile.save(args.profile)
         results["estimates"], tables["estimates"] = rows, estimates_table(rows)
+        if note := spell_note(rows):
+            print(f"warning: {note}", file=sys.stderr)
         (out / "estimates.md").write_text(f"`{_command('estimates', args)}`, profile: {profile.name} "
-                                          f"({profile.measured.get('at', '')})\n\n" + tables["estimates"])
+                                          f"({profile.measured.get('at', '')})\n\n"
+                                          + (f"Warning: {note}.\n\n" if note else "") + tables["estimates"])
         files.append(out / "estimates.md")
     files.append(summary.write_json(results, out / "results.json"))
     return results, tables, files
