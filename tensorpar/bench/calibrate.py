@@ -67,6 +67,13 @@ NK_SIZES = ((128, 128), (128, 512), (256, 512), (512, 256), (512, 512), (768, 51
 OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
 PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
 SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
+# The latency regime's least payload: 8 B is one float32 a rank at p = 2, which gloo's all-reduce
+# ran 2-3x faster than any other payload (0.33-0.83 ms against 1.0-2.1 ms for 64 B to 4 KiB, in
+# every calibration of 2026-12-05, ~25 of them; 4-8 B 0.33-0.35 ms and 16 B-4 KiB 0.8-1.4 ms in
+# one interleaved sweep), a path no layer's collective takes (a hidden vector is hundreds of
+# elements); its median with three slower points put the decode over gloo at up to 1.2-1.3x its
+# estimate.
+LEAST = 64
 # The later windows' samples per point: the first window's 5 and their 3 and 3, 11 in all, each
 # point the median of the windows' medians (calibrate in about 42 s, not 50).
 LATER_REPEATS = 3
@@ -120,11 +127,13 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 def fit_link(points: list) -> dict:
     """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``: the latency
-    ``alpha`` is the median time of the small payloads (at most ``SMALL`` bytes: there the bytes
-    cost nothing, and a transport's latency is often bimodal, which a straight line through every
-    size would average away), ``beta`` the median of ``(t - alpha) / n`` over the large ones (at
-    least ``LARGE`` bytes); the fit's errors are over every point."""
-    small = [s for n, s in points if n <= SMALL] or [min(s for _, s in points)]
+    ``alpha`` is the median time of the small payloads (``LEAST`` to ``SMALL`` bytes: there the
+    bytes cost nothing, and a transport's latency is often bimodal, which a straight line through
+    every size would average away; below ``LEAST``, a payload of an element or two a rank, gloo
+    takes a faster path than any layer's collective), ``beta`` the median of ``(t - alpha) / n``
+    over the large ones (at least ``LARGE`` bytes); the fit's errors are over every point."""
+    small = ([s for n, s in points if LEAST <= n <= SMALL] or [s for n, s in points if n <= SMALL]
+             or [min(s for _, s in points)])
     alpha = float(statistics.median(small))
     large = [(s - alpha) / n for n, s in points if n >= LARGE and s > alpha]
     beta = float(statistics.median(large)) if large else 0.0
