@@ -368,7 +368,8 @@ def test_calibrate_fits_recover_known_figures():
     """The GEMM fit recovers the three figures that made its points; the link fit takes alpha
     from the small payloads (a bimodal latency: the median) from 64 B (gloo's all-reduce of one
     element a rank takes a faster path) and beta from the large. Catches: the 8 B point in the
-    median (alpha 1.35 ms), a mean, a fit through every size."""
+    median (alpha 0.95 ms), a mean, a fit through every size, no fallback to the smaller
+    payloads where none is from 64 B."""
     from tensorpar.bench.calibrate import fit_gemm, fit_link
 
     c, rate, bw = 5e-6, 50e9, 10e9
@@ -377,11 +378,11 @@ def test_calibrate_fits_recover_known_figures():
     g = fit_gemm(points, 4)
     assert g.rate_flops == pytest.approx(rate, rel=1e-6) and g.bytes_per_s == pytest.approx(bw, rel=1e-6)
     assert g.fixed_s == pytest.approx(c, rel=1e-6) and g.fit["max_rel_err"] < 1e-9
-    lat = [4.5e-4, 1.4e-3, 1.5e-3, 0.5e-3]  # gloo over loopback: 8 B at 0.45 ms; the rest 0.5 or 1.4 ms
+    lat = [4.5e-4, 1.4e-3, 1.5e-3, 0.5e-3]  # gloo over loopback: 8 B at 0.45 ms; the rest jump by 3x
     pts = list(zip((8, 64, 512, 4096), lat)) + [(n, 1.4e-3 + n / 2e9) for n in (262144, 2097152, 16777216)]
     fit = fit_link(pts)
     assert fit["alpha_s"] == pytest.approx(1.4e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
-    assert fit_link([(8, 1e-3), (1 << 20, 2e-3)])["alpha_s"] == pytest.approx(1e-3)  # no payload from 64 B: the least
+    assert fit_link([(8, 1e-3), (32, 2e-3), (1 << 20, 5e-3)])["alpha_s"] == pytest.approx(1.5e-3)  # none from 64 B
 
 
 def test_calibrate_takes_each_point_as_the_median_of_its_passes():
@@ -419,6 +420,40 @@ def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_the
     assert out["train"] == pytest.approx((0.1, 0.5))
     assert out["decode"] == pytest.approx((0.04, 0.06))  # 0.1 and 0.3 a token at 1 and 6 blocks
     assert out["prefill"] == pytest.approx((0.2, 0.8))  # one token: 1.0 and 2.0
+
+
+def test_calibrate_keeps_each_windows_own_figures_beside_the_medians():
+    """``measured.by_window``: each window's decode and training block costs over its own rounds,
+    each transport's all-reduce alpha from its own pass, and the probe GEMMs; across ranks the
+    slowest's; the summary prints them. Catches: every window's figures from all rounds (a spell in
+    one window hidden), windows' rounds misaligned, alpha from another pass, the fastest rank's."""
+    from types import SimpleNamespace
+
+    from tensorpar.bench.calibrate import _by_window, _max_over
+    from tensorpar.bench.calibrate_costs import BlockCosts
+    from tensorpar.cli.calibrate import summary
+
+    split = BlockCosts.__new__(BlockCosts)
+    split._layers, split._new = (1, 6), 17
+    slow = [1.0, 1.0, 3.0, 3.0, 1.0]  # a spell over the middle window's two rounds: 3x the block
+    split._samples = {"train": {1: [0.6] * 5, 6: [0.6 + 0.5 * f for f in slow]},
+                      "decode": {(1, 1): [1.0] * 5, (17, 1): [2.6] * 5, (1, 6): [2.0] * 5,
+                                 (17, 6): [2.0 + 16 * (0.1 + 0.2 * f) for f in slow]}}
+
+    def one_pass(gloo):
+        return {"links": {"gloo": {"all_reduce": {2: [(8, 1e-4), (64, gloo), (512, gloo), (4096, gloo)]}}},
+                "gemm": {"fp32": [[1, 512, 512, 1e-4], [64, 512, 512, 1e-3], [1, 128, 128, 1e-5]]}}
+    out = _by_window([one_pass(1e-3), one_pass(2e-3), one_pass(1.5e-3)], split, [2, 2, 1])
+    assert [w["block_s"]["train"] for w in out] == pytest.approx([0.1, 0.3, 0.1])
+    assert [w["block_s"]["decode"] for w in out] == pytest.approx([0.04, 0.12, 0.04])
+    assert [w["alpha_s"]["gloo"] for w in out] == pytest.approx([1e-3, 2e-3, 1.5e-3])
+    assert out[0]["gemm_s"] == {"1x512x512": 1e-4, "64x512x512": 1e-3}
+    ranks = _max_over([out, [{**w, "alpha_s": {"gloo": 5e-3}} if i == 0 else w for i, w in enumerate(out)]])
+    assert ranks[0]["alpha_s"]["gloo"] == 5e-3 and ranks[1]["alpha_s"]["gloo"] == 2e-3
+    text = summary(SimpleNamespace(name="p", measured={"by_window": out}, gemm={}, memory_bytes_per_s=1e9,
+                                   optimizer_s_per_param=None, block_call_s={}, step_call_s={}, links={},
+                                   collective_wait={}))
+    assert "decode block 40000 / 120000 / 40000 us; train block 100000 / 300000 / 100000 us; gloo alpha 1.00 / 2.00 / 1.50 ms" in text
 
 
 def test_the_fixed_costs_model_reads_past_the_caches_before_each_norm_and_takes_the_reads_out(monkeypatch):
@@ -508,6 +543,29 @@ def test_a_run_that_finds_the_host_faster_than_its_profile_flags_the_calibration
     note = spell_note(spell)
     assert note is not None and "1.10x" in note and "5 samples" in note and "calibrate again" in note
     assert spell_note([{"speeds": [PROFILE_SLOW]}]) is not None and spell_note([{"speeds": [PROFILE_SLOW - 0.01]}]) is None
+
+
+def test_the_estimates_page_flags_each_run_whose_profile_met_a_slow_spell():
+    """tools/estimates_page.py: the verdict over every run, each run's wait, and a line naming
+    the runs the bench flagged (and only those). Catches: the flag read from one run for all, the
+    flag dropped from the page, a flagged run counted as within target."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("estimates_page", Path(__file__).parents[1] / "tools/estimates_page.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def run(ratio, speeds):
+        row = {"case": "decode_b1", "layout": "tp2", "measured_s": ratio, "estimate_s": 1.0, "measured_vs_estimate": ratio,
+               "within_target": abs(ratio - 1) <= 0.2, "dominant": "fixed_s", "speeds": speeds,
+               "host_speed": sorted(speeds)[len(speeds) // 2], "host_wait_s": 2.0}
+        return {"profile": {"measured": {"cpu_count": 2}}, "rows": [row], "start": "s", "end": "e", "repeats": 3}
+    page = tool.page([run(1.02, [1.0, 0.98, 1.01]), run(0.75, [1.12, 1.15, 1.1]), run(0.99, [1.0, 1.01, 0.97])])
+    assert "Within 20% in every run: 0 of 1 cases" in page and "decode_b1 (1.02, 0.75, 0.99)" in page
+    assert "Flagged by the bench: run 2: the host ran 1.12x as fast" in page and "run 1:" not in page.split("Flagged")[1]
+    assert "run 1 2 s, run 2 2 s, run 3 2 s" in page
+    assert "Flagged" not in tool.page([run(1.02, [1.0, 0.98, 1.01])])
 
 
 def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(monkeypatch):

@@ -77,7 +77,7 @@ LEAST = 64
 # The later windows' samples per point: the first window's 5 and their 3 and 3, 11 in all, each
 # point the median of the windows' medians (calibrate in about 42 s, not 50).
 LATER_REPEATS = 3
-QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 4096, 1 << 20), repeats=3, new=5,
+QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 64, 4096, 1 << 20), repeats=3, new=5,
              quick=True)
 
 
@@ -220,10 +220,44 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
             costs.rounds(rounds)
         took["blocks"] += time.perf_counter() - t
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
+                 "by_window": _by_window(passes, blocks.get("split"), windows),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  **_median_of_passes(passes), "seconds": time.perf_counter() - t0,
                  "seconds_by_part": {k: round(v, 2) for k, v in took.items()}})  # where calibrate's time went
     return dist.all_gather_object(mine)
+
+
+def _by_window(passes: list, split, windows: list) -> list:
+    """Each window's own figures, beside the medians the profile keeps (a diagnostic: a slow spell
+    shows as one window, or every window, off the others): the split model's decode and training
+    block costs over the window's rounds, each transport's all-reduce ``alpha`` at 2 ranks, and the
+    float32 GEMM of the grid's largest weight at its least and most ``m`` (the estimates bench's
+    probe)."""
+    out, first = [], 0
+    for i, n in enumerate(windows):
+        w = {}
+        if split is not None and n:
+            c = split.costs(range(first, first + n))
+            w["block_s"] = {ph: c[ph][0] for ph in ("decode", "train") if ph in c}
+        first += n
+        if i < len(passes):
+            w["alpha_s"] = {tr: fit_link(ops["all_reduce"][2])["alpha_s"] for tr, ops in passes[i]["links"].items()
+                            if 2 in ops["all_reduce"]}
+            pts = passes[i]["gemm"]["fp32"]
+            nk = max({(n_, k) for _, n_, k, _ in pts}, key=lambda x: (x[0] * x[1], x))
+            ms = sorted((p for p in pts if (p[1], p[2]) == nk), key=lambda p: p[0])
+            w["gemm_s"] = {f"{p[0]}x{nk[0]}x{nk[1]}": p[3] for p in (ms[0], ms[-1])}
+        out.append(w)
+    return out
+
+
+def _max_over(trees):
+    """The elementwise maximum of equally shaped dicts, lists and numbers (ranks' figures: the slowest's)."""
+    if isinstance(trees[0], dict):
+        return {k: _max_over([t[k] for t in trees]) for k in trees[0]}
+    if isinstance(trees[0], list):
+        return [_max_over([t[i] for t in trees]) for i in range(len(trees[0]))]
+    return max(trees)
 
 
 def _rates(dtypes: dict, *, m_sizes, nk_sizes, payloads, repeats: int, device, groups, optimizer_shapes) -> dict:
@@ -277,6 +311,7 @@ def _slowest(per_rank: list) -> dict:
     return {"gemm": gemm, "memory": min(r["memory"] for r in per_rank), "blocks": blocks, "links": links,
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu"),
+            "by_window": _max_over([r["by_window"] for r in per_rank]) if "by_window" in first else None,
             "seconds_by_part": first.get("seconds_by_part")}
 
 
@@ -336,5 +371,6 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
                    optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "seconds_by_part": m.get("seconds_by_part"),
+                             "by_window": m.get("by_window"),
                              "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

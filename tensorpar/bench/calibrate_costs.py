@@ -216,11 +216,13 @@ class BlockCosts:
                     self._samples[phase][k].append(samplers[k]())
         self._done += n
 
-    def costs(self) -> dict:
-        """``{phase: (per_block_s, per_step_s)}``: the medians over the rounds taken."""
+    def costs(self, rounds=None) -> dict:
+        """``{phase: (per_block_s, per_step_s)}``: the medians over the rounds taken (over the
+        round indices ``rounds``, where given: one window's)."""
         lo, hi = self._layers
         per_phase = {}
-        for phase, samples in self._samples.items():
+        for phase, every in self._samples.items():
+            samples = every if rounds is None else {k: [v[i] for i in rounds] for k, v in every.items()}
             if phase.startswith("decode"):  # one token's cost: the loop of ``new`` tokens less the loop of one
                 per_phase[phase] = {d: [(n - o) / (self._new - 1) for o, n in zip(samples[(1, d)], samples[(self._new, d)])]
                                     for d in self._layers}
@@ -249,7 +251,7 @@ WAIT_SHAPE, WAIT_M = (1408, 512), (1, 8, 64, 512)  # one weight of the grid, seg
 def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M, work=None) -> dict:
     """``{p: [[segment_s, with_collective_s]]}`` for groups of the first ``p`` ranks, ``p`` from 2
     to the world: every member runs a GEMM (``m`` rows of ``WAIT_SHAPE``, cold weights, as
-    :func:`gemm_points`; ``work(m)``, where given, makes the call instead) then an 8-byte
+    :func:`gemm_points`; ``work(m)``, where given, makes the call instead) then a 64-byte
     all-reduce over ``transport``, back to back, and the same GEMMs without the all-reduce, in
     paired rounds (each loop first in every other round); the slowest rank's median time of the
     GEMM alone (``segment_s``), and that plus the median over rounds of the loop's time per GEMM
@@ -276,7 +278,7 @@ def wait_points(transport: str, repeats: int, device="cpu", m_sizes=WAIT_M, work
 
 
 def _wait_point(gemm, group, repeats: int, device) -> list:
-    flag = torch.zeros(2, device=device)
+    flag = torch.zeros(16, device=device)  # 64 B: the least payload of a link's alpha (8 B takes gloo's faster path)
 
     def synced():
         gemm()

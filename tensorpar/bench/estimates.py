@@ -66,7 +66,7 @@ SETTLE_FLOOR, SETTLE_POLL_S, SETTLE_WAIT_S, SETTLE_BUDGET_S = 0.9, 2.0, 20.0, 24
 # A run whose probes found the host this much faster than the profile (the median over every
 # sample's): the calibration met a slow spell, and every estimate from it runs high. Sets of
 # 2026-12-05: runs whose calibration was sound probed 0.89-1.06; the two whose decode cases came out
-# at 0.70-0.80 of their estimates probed 1.10 and 1.13 (their fixed costs 1.5-1.8x the others').
+# at 0.70-0.80 of their estimates probed 1.10 and 1.14 (their fixed costs 1.5-1.8x the others').
 PROFILE_SLOW = 1.08
 # `--quick`: the train suite's ~0.6M Llama (2 blocks), 4 x 32 tokens, 5 generated tokens.
 QUICK = dict(sizes=train.QUICK["sizes"], batch=4, seq=32, new=5)
