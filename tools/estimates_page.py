@@ -78,9 +78,7 @@ def page(runs: list) -> str:
     runs_head = "| case | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |\n|---|" + \
         "---:|" * len(runs) + "\n"
     runs_rows = "\n".join(f"| {c} | " + " | ".join(
-        f"{b[c]['measured_vs_estimate']:.2f} ({b[c]['host_speed']:.2f}"
-        + (f", {b[c]['dispatch_speed']:.2f})" if b[c].get("dispatch_speed") is not None else ")")
-        if b[c].get("host_speed") is not None
+        f"{b[c]['measured_vs_estimate']:.2f} ({b[c]['host_speed']:.2f})" if b[c].get("host_speed") is not None
         else f"{b[c]['measured_vs_estimate']:.2f}" for b in by_run) + " |" for c in cases)
     verdict = (f"**Within {TARGET:.0%} in every run: {len(always)} of {len(cases)} cases**"
                + (f" ({', '.join(always)})" if always and missed else "") + ".")
@@ -98,8 +96,8 @@ def page(runs: list) -> str:
     if spells:
         waited += "Flagged by the bench: " + "; ".join(spells) + ".\n\n"
     return (head + estimates_table(last["rows"]) + "\nMeasured / estimate in each run (in brackets: the host's "
-            "speed during the case against its calibration's, the median of the probes before each sample, GEMMs "
-            "then, where measured, the dispatch probe; above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + waited + verdict + "\n")
+            "speed during the case against its calibration's, the median of the probes before each sample; "
+            "above 1: faster than when calibrated):\n\n" + runs_head + runs_rows + "\n\n" + waited + verdict + "\n")
 
 
 def main(argv=None) -> int:

@@ -18,9 +18,6 @@ windows of a few seconds).
   measured ratio of the nearest shapes (:class:`tensorpar.planner.profile.Gemm`);
 - **memory**: a copy and an add of 32 MiB tensors (bytes read plus written per second);
 - **the optimizer step**: clipping and AdamW over ~12.9M float32 parameters, per parameter;
-- **a dispatch probe**: three samples a window of a tiny model's token (Python and dispatch, the
-  work of a block's fixed cost: :class:`~tensorpar.bench.calibrate_costs.DispatchProbe`), their
-  median kept for the estimates bench to measure the host against;
 - **a block's fixed cost**: a tiny Llama (hidden 32) of 1 and of 6 blocks, split at tp = ranks and
   unsplit, timed for a forward of 4 tokens, a prompt, a training step (``train_step``: loss,
   backward, clipping, AdamW) and a decode step (tensorpar's lean forward and Hugging Face's), and
@@ -53,8 +50,7 @@ import torch.nn.functional as F
 
 from tensorpar import distributed as dist
 from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
-                                             BlockCosts, ColdCaches, DispatchProbe, collective_wait, optimizer_rate,
-                                             wait_points)
+                                             BlockCosts, ColdCaches, collective_wait, optimizer_rate, wait_points)
 from tensorpar.bench.timing import spread
 from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.planner.hardware import Hardware
@@ -81,7 +77,6 @@ LEAST = 64
 # The later windows' samples per point: the first window's 5 and their 3 and 3, 11 in all, each
 # point the median of the windows' medians (calibrate in about 42 s, not 50).
 LATER_REPEATS = 3
-DISPATCH_SAMPLES = 3  # the dispatch probe's samples a window (DispatchProbe), ~50 ms each
 QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 64, 4096, 1 << 20), repeats=3, new=5,
              quick=True)
 
@@ -204,7 +199,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     grid = dict(m_sizes=m_sizes, nk_sizes=nk_sizes, payloads=payloads, device=device,
                 groups=link_groups(dist.get_world_size(), device),
                 optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
-    took, passes, blocks, mine, probes = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}, []
+    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}
     windows = spread(repeats, 2 if quick else 3)
     for i, rounds in enumerate(windows):
         t = time.perf_counter()
@@ -221,15 +216,11 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
         if not blocks:
             cold = ColdCaches(device)
             blocks.update({kind: BlockCosts(kind, new, device=device, cold=cold, **kw) for kind in kinds})
-            probe = DispatchProbe(device, cold)
         for costs in blocks.values():
             costs.rounds(rounds)
-        probes.append([probe() for _ in range(DISPATCH_SAMPLES)])
         took["blocks"] += time.perf_counter() - t
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
-                 "by_window": [{**w, "dispatch_probe_s": statistics.median(pr)}
-                               for w, pr in zip(_by_window(passes, blocks.get("split"), windows), probes)],
-                 "dispatch_probe_s": statistics.median(x for pr in probes for x in pr),
+                 "by_window": _by_window(passes, blocks.get("split"), windows),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  **_median_of_passes(passes), "seconds": time.perf_counter() - t0,
                  "seconds_by_part": {k: round(v, 2) for k, v in took.items()}})  # where calibrate's time went
@@ -321,7 +312,6 @@ def _slowest(per_rank: list) -> dict:
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu"),
             "by_window": _max_over([r["by_window"] for r in per_rank]) if "by_window" in first else None,
-            "dispatch_probe_s": max(r["dispatch_probe_s"] for r in per_rank) if "dispatch_probe_s" in first else None,
             "seconds_by_part": first.get("seconds_by_part")}
 
 
@@ -381,6 +371,6 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
                    optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "seconds_by_part": m.get("seconds_by_part"),
-                             "by_window": m.get("by_window"), "dispatch_probe_s": m.get("dispatch_probe_s"),
+                             "by_window": m.get("by_window"),
                              "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

@@ -150,26 +150,6 @@ def _models(layers: int, kind: str, device):
     return model
 
 
-class DispatchProbe:
-    """One sample of work bound by Python and dispatch, as a block's fixed cost is: a tiny unsplit
-    Llama of one block generating a token from a 4-token prompt, its norm reading past the caches
-    first (:class:`ColdCaches`, the reads' time taken out), over ~50 ms of calls. ``calibrate``
-    keeps its median (``measured["dispatch_probe_s"]``) and the estimates bench takes one before
-    each sample: a GEMM probe misses the slow spells of this work (on 2026-12-05 one calibration's
-    decode block came out at 1.4-1.8x the others' in all three windows while its probe GEMMs did
-    not move). Making one is collective (every rank agrees on the count of calls)."""
-
-    def __init__(self, device="cpu", cold: ColdCaches | None = None):
-        model = _models(1, "dense", device).eval()
-        cold = cold or ColdCaches(device)
-        cold.hook(model)
-        ids = torch.arange(4, device=device).reshape(1, 4)
-        self._sample = _sampler(lambda: generate(model, ids, 1), 0.05, device, cold)
-
-    def __call__(self) -> float:
-        return self._sample()
-
-
 LAYERS = (1, 6)  # the tiny models' blocks: the slope over them is one block's cost
 BATCHES = (1, 8)  # inference's fixed costs at each: a larger batch costs more per call (cache, sampling)
 

@@ -41,7 +41,6 @@ from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.bench import calibrate, train
-from tensorpar.bench.calibrate_costs import DispatchProbe
 from tensorpar.bench.timing import interleaved, spread
 from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.models.checkpoint import load_sharded
@@ -69,11 +68,6 @@ SETTLE_FLOOR, SETTLE_POLL_S, SETTLE_WAIT_S, SETTLE_BUDGET_S = 0.9, 2.0, 20.0, 24
 # 2026-12-05: runs whose calibration was sound probed 0.89-1.06; the two whose decode cases came out
 # at 0.70-0.80 of their estimates probed 1.10 and 1.14 (their fixed costs 1.5-1.8x the others').
 PROFILE_SLOW = 1.08
-# The same for work bound by Python and dispatch (the profile's DispatchProbe against now's), and
-# the floor under which the bench waits for it as it does for the GEMMs (SETTLE_FLOOR): the probe's
-# samples spread more than a GEMM's (about 10% between calibrations in quiet hours), and such a spell
-# slowed a block's fixed cost 1.4-2x while the GEMMs moved under 10%.
-DISPATCH_SLOW, DISPATCH_FLOOR = 1.15, 0.85
 # `--quick`: the train suite's ~0.6M Llama (2 blocks), 4 x 32 tokens, 5 generated tokens.
 QUICK = dict(sizes=train.QUICK["sizes"], batch=4, seq=32, new=5)
 
@@ -135,10 +129,6 @@ class HostSpeed:
         self.budget_s = SETTLE_BUDGET_S if budget_s is None else budget_s
         points = {tuple(p[:3]): p[3] for p in profile.gemm_for("fp32").fit.get("points") or []}
         self.usable = bool(points)
-        # the dispatch probe, where the profile measured one: its speed now (profile's time over
-        # now's), made on the first probe (a tiny model; collective)
-        self.dispatch_ref = (profile.measured or {}).get("dispatch_probe_s") if self.usable else None
-        self.dispatch, self._dispatch = None, None
         self.shapes, self.ref, self.calls = [], [], []
         if self.usable:
             n, k = max({(n, k) for _, n, k in points}, key=lambda nk: (nk[0] * nk[1], nk))
@@ -153,25 +143,18 @@ class HostSpeed:
     def __call__(self) -> float | None:
         if not self.usable:
             return None
-        if self.dispatch_ref and self._dispatch is None:
-            self._dispatch = DispatchProbe()
         dist.barrier()
-        now = torch.tensor([calibrate._median_time(call, 1) for call in self.calls]
-                           + ([self._dispatch()] if self._dispatch else []), dtype=torch.float64)
+        now = torch.tensor([calibrate._median_time(call, 1) for call in self.calls], dtype=torch.float64)
         dist.all_reduce(now, op="max")
-        times = now.tolist()
-        if self._dispatch:
-            self.dispatch = self.dispatch_ref / times.pop()
-        ratios = [ref / t for ref, t in zip(self.ref, times)]
+        ratios = [ref / t for ref, t in zip(self.ref, now.tolist())]
         return float(torch.tensor(ratios).log().mean().exp())
 
     def settled(self) -> tuple[float | None, float]:
         """``(speed, seconds waited)``: the probe's reading once the host is back within
-        ``SETTLE_FLOOR`` of its calibrated speed (and the dispatch probe, where there is one,
-        within ``DISPATCH_FLOOR``), or once this sample's or this run's wait is spent."""
+        ``SETTLE_FLOOR`` of its calibrated speed, or once this sample's or this run's wait is spent."""
         speed, waited = self(), 0.0
-        while (speed is not None and (speed < SETTLE_FLOOR or (self.dispatch or 1.0) < DISPATCH_FLOOR)
-               and waited + SETTLE_POLL_S <= SETTLE_WAIT_S and self.budget_s >= SETTLE_POLL_S):
+        while (speed is not None and speed < SETTLE_FLOOR and waited + SETTLE_POLL_S <= SETTLE_WAIT_S
+               and self.budget_s >= SETTLE_POLL_S):
             time.sleep(SETTLE_POLL_S)
             waited += SETTLE_POLL_S
             self.budget_s -= SETTLE_POLL_S
@@ -181,37 +164,27 @@ class HostSpeed:
 
 def spell_note(rows: list) -> str | None:
     """What to say of a run that found the host ``PROFILE_SLOW`` or more times as fast as its
-    profile (the median of every row's GEMM probes), or ``DISPATCH_SLOW`` for its dispatch probe:
-    the profile was measured in a slow spell."""
+    profile (the median of every row's probes): the profile was measured in a slow spell."""
     speeds = [f for r in rows for f in r.get("speeds") or []]
-    dispatch = [f for r in rows for f in r.get("dispatch_speeds") or []]
-    gemm = bool(speeds) and statistics.median(speeds) >= PROFILE_SLOW
-    python = bool(dispatch) and statistics.median(dispatch) >= DISPATCH_SLOW
-    if not (gemm or python):
+    if not speeds or statistics.median(speeds) < PROFILE_SLOW:
         return None
-    what = " and ".join(
-        part for part, found in ((f"its GEMMs {statistics.median(speeds) if speeds else 0:.2f}x", gemm),
-                                 (f"its dispatch-bound work {statistics.median(dispatch) if dispatch else 0:.2f}x", python))
-        if found)
-    return (f"the host ran {what} as fast as during the calibration (the median over the samples' probes): the "
-            f"profile was measured in a slow spell, and its estimates run high; calibrate again")
+    return (f"the host ran {statistics.median(speeds):.2f}x as fast as during the calibration (the median "
+            f"over its {len(speeds)} samples' probes): the profile was measured in a slow spell, and its estimates run high; "
+            f"calibrate again")
 
 
-def _probed(host: HostSpeed) -> tuple[dict, dict, dict, object]:
-    """``(speeds, dispatch, waited, before)``: ``before(name)`` for :func:`interleaved` waits for
-    a host in a slow spell (:meth:`HostSpeed.settled`), then records its speed into
-    ``speeds[name]``, its dispatch probe's into ``dispatch[name]`` and the seconds waited into
-    ``waited[name]``."""
+def _probed(host: HostSpeed) -> tuple[dict, dict, object]:
+    """``(speeds, waited, before)``: ``before(name)`` for :func:`interleaved` waits for a host in a
+    slow spell (:meth:`HostSpeed.settled`), then records its speed into ``speeds[name]`` and the
+    seconds waited into ``waited[name]``."""
     speeds: dict = {}
-    dispatch: dict = {}
     waited: dict = {}
 
     def before(name):
         speed, w = host.settled()
         speeds.setdefault(name, []).append(speed)
-        dispatch.setdefault(name, []).append(host.dispatch)
         waited[name] = waited.get(name, 0.0) + w
-    return speeds, dispatch, waited, before
+    return speeds, waited, before
 
 
 # ---- the runs ----------------------------------------------------------------------------------
@@ -276,7 +249,7 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
     rows = []
     cases = _train_cases(dense, ids)
     speed = HostSpeed(profile, budget_s=0.0 if calibration else None)
-    speeds, dispatch, waited, before = _probed(speed)
+    speeds, waited, before = _probed(speed)
     # the inference rounds in groups before, between and after the training cases: a slow spell
     # of the shared host (seconds to a minute) then spoils one or two groups of a case's rounds,
     # not half of them (it did: the median then lands on the spell's edge)
@@ -288,14 +261,9 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
                      **judged(statistics.median(samples[name]), guess, _known(speeds, name), samples[name]),
-                     **_dispatch_of(_known(dispatch, name)), "host_wait_s": waited.get(name, 0.0)})
+                     "host_wait_s": waited.get(name, 0.0)})
     del cases
     return {"rows": rows + inference.rows(), "profile": profile.to_dict()}
-
-
-def _dispatch_of(readings: list | None) -> dict:
-    """A row's dispatch probe readings and their median (none: the profile has no probe)."""
-    return {"dispatch_speeds": readings, "dispatch_speed": statistics.median(readings)} if readings else {}
 
 
 def _known(speeds: dict, *names) -> list | None:
@@ -333,7 +301,7 @@ class _Inference:
             self.runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
             if what == "decode":
                 self.runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
-        self.speeds, self.dispatch, self.waited, self._before = _probed(speed)
+        self.speeds, self.waited, self._before = _probed(speed)
         self.timed = {k: [] for k in self.runs}
 
     def take(self, repeats: int) -> None:
@@ -355,13 +323,11 @@ class _Inference:
             context = PROMPT + self.new // 2 if what == "decode" else PROMPT
             guess = estimate(self.path, layout, self.profile, seq=context, what=what, transport=transport,
                              engine=est_engine)
-            keys = (f"{name}/1", f"{name}/n") if what == "decode" else (f"{name}/1",)
-            known = _known(self.speeds, *keys)
+            known = _known(self.speeds, f"{name}/1", f"{name}/n") if what == "decode" else _known(self.speeds, f"{name}/1")
             rows.append({"kind": what, "case": name, "layout": f"tp2 over {transport}, batch {b}, "
                          f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
                          f"{'lean' if engine == 'auto' else 'HF'} forward",
                          "samples_s": samples, **judged(statistics.median(samples), guess, known, samples),
-                         **_dispatch_of(_known(self.dispatch, *keys)),
                          "host_wait_s": sum(self.waited.get(f"{name}/{k}", 0.0) for k in ("1", "n"))})
         return rows
 

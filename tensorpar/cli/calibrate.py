@@ -39,10 +39,6 @@ def main(args) -> int:
     return 0
 
 
-def _in(window: dict, part: str | None) -> dict:
-    return window if part is None else window.get(part, {})
-
-
 def summary(profile) -> str:
     """The profile in a few lines: each figure and its fit's error."""
     lines = [f"# {profile.name} ({profile.measured.get('seconds', '?')} s)", ""]
@@ -55,13 +51,11 @@ def summary(profile) -> str:
         lines.append(f"- an optimizer step (clipping, AdamW): {profile.optimizer_s_per_param * 1e9:.2f} ns per parameter")
     if windows := profile.measured.get("by_window"):
         lines.append("- by window (start, middle, end; the profile keeps each figure's median): " + "; ".join(
-            f"{name} " + " / ".join(f"{_in(w, part)[key] * scale:.{digits}f}" if key in _in(w, part) else "-"
-                                    for w in windows)
+            f"{name} " + " / ".join(f"{w[part][key] * scale:.{digits}f}" if key in w.get(part, {}) else "-" for w in windows)
             + unit for name, part, key, scale, digits, unit in (
                 ("decode block", "block_s", "decode", 1e6, 0, " us"), ("train block", "block_s", "train", 1e6, 0, " us"),
-                ("shm alpha", "alpha_s", "shm", 1e6, 0, " us"), ("gloo alpha", "alpha_s", "gloo", 1e3, 2, " ms"),
-                ("dispatch probe", None, "dispatch_probe_s", 1e6, 0, " us"))
-            if any(key in _in(w, part) for w in windows)))
+                ("shm alpha", "alpha_s", "shm", 1e6, 0, " us"), ("gloo alpha", "alpha_s", "gloo", 1e3, 2, " ms"))
+            if any(key in w.get(part, {}) for w in windows)))
     for phase, s in profile.block_call_s.items():
         lines.append(f"- a block's fixed cost, {phase}: {s * 1e6:.0f} us (per step: "
                      f"{profile.step_call_s.get(phase, 0.0) * 1e6:.0f} us)")
