@@ -516,7 +516,8 @@ def test_calibrate_bad_arguments(argv, message, capsys, tmp_path):
 def test_a_profile_without_measured_gemms_has_no_host_speed_and_is_judged_raw():
     """A preset's profile (public figures, no measured points): no probe, nothing to read the
     samples at, the raw ratio judged; a measured one reads each sample at the profile's speed."""
-    from tensorpar.bench.estimates import HostSpeed, _known, judged
+    from tensorpar.bench.estimates import _known, judged
+    from tensorpar.bench.host_speed import HostSpeed
     from tensorpar.planner.profile import published
 
     speed = HostSpeed(published("h100-sxm"))
@@ -534,7 +535,7 @@ def test_a_run_that_finds_the_host_faster_than_its_profile_flags_the_calibration
     in a slow spell (its estimates run high), and the bench says so; under it, or with no probes (a
     preset), nothing. Catches: the mean (one fast sample flagging a sound run), a threshold on one
     case's probes, a note for a run without probes."""
-    from tensorpar.bench.estimates import PROFILE_SLOW, spell_note
+    from tensorpar.bench.host_speed import PROFILE_SLOW, spell_note
 
     sound = [{"speeds": [0.95, 1.0, 1.02]}, {"speeds": [1.04, 3.0]}, {}]  # mean 1.4, median 1.02
     assert spell_note(sound) is None
@@ -573,7 +574,7 @@ def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(
     2 s), at most 20 s a sample and the run's budget in all; a preset (no probe) never waits.
     Catches: no wait, a wait without end (a slow spell of a minute), the budget not spent, the
     sample's own time deciding instead of the probe's."""
-    from tensorpar.bench import estimates as E
+    from tensorpar.bench import host_speed as E
     from tensorpar.planner.profile import published
 
     slept = []

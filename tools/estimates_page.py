@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tensorpar.bench.estimates import (SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S, TARGET,  # noqa: E402
-                                       estimates_table, spell_note)
+from tensorpar.bench.estimates import TARGET, estimates_table  # noqa: E402
+from tensorpar.bench.host_speed import SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S, spell_note  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORPAR = [sys.executable, "-m", "tensorpar"]

@@ -121,7 +121,8 @@ def _run(args, suites, out, phase):
     if "estimates" in suites:
         from tensorpar.bench.calibrate import QUICK as CALIBRATE_QUICK
         from tensorpar.bench.estimates import QUICK as ESTIMATES_QUICK
-        from tensorpar.bench.estimates import estimates_table, run_estimates_bench, spell_note
+        from tensorpar.bench.estimates import estimates_table, run_estimates_bench
+        from tensorpar.bench.host_speed import spell_note
 
         given = Path(args.profile).is_file()
         profile = load(args.profile) if given else None
