@@ -317,6 +317,9 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
         assert r["within_target"] == (abs(r["measured_vs_estimate"] - 1) <= TARGET)
         assert r["dominant"] == max(r["terms"], key=r["terms"].get)
         assert r["host_wait_s"] == 0  # a smoke run never waits for the host
+        # the dispatch probe read before every sample from the run's DISPATCH_AFTER-th probe on
+        assert all(0.05 < x < 20 for x in r["dispatch_slowdowns"]), r["dispatch_slowdowns"]
+    assert sum(len(r["dispatch_slowdowns"]) for r in rows) > 0
     by = {r["case"]: r for r in rows}
     assert by["pp2"]["terms"]["bubble_s"] > 0 and by["pp2"]["terms"]["pp_comm_s"] > 0
     assert by["tp2"]["terms"]["tp_comm_s"] > 0 and by["dp2_ddp"]["terms"]["dp_comm_s"] > 0
@@ -600,3 +603,60 @@ def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(
     before("tp2")
     before("tp2")
     assert speeds == {"tp2": [0.95, 1.0]} and waited == {"tp2": 2.0}
+
+
+def test_the_estimates_bench_waits_while_its_dispatch_probe_reads_slow(monkeypatch):
+    """The dispatch probe's reading over the lower quartile of the run's readings so far, from the
+    ``DISPATCH_AFTER``-th on; over ``DISPATCH_CEIL`` the host is waited for as for a slow GEMM
+    probe, whatever the GEMMs read. Catches: the reference taken as the median (a spell of half
+    the readings would hide itself), the first readings judged against too few, a dispatch
+    spell not waited for, and each row's readings lost."""
+    from tensorpar.bench import host_speed as E
+    from tensorpar.planner.profile import published
+
+    host = E.HostSpeed(published("h100-sxm"))
+    for t in (1.0, 2.0, 2.0):
+        host.note_dispatch(t)
+        assert host.dispatch is None  # fewer than DISPATCH_AFTER readings: nothing to judge against
+    host.note_dispatch(2.0)  # [1, 2, 2, 2]: lower quartile 1.75 (the median, 2, would read 1.0)
+    assert E.DISPATCH_AFTER == 4 and host.dispatch == pytest.approx(2.0 / 1.75)
+    assert not host.slow(1.0) and host.slow(0.85) and not host.slow(None)
+    host.note_dispatch(3.0)  # [1, 2, 2, 2, 3]: 3 / 2
+    assert host.dispatch == pytest.approx(1.5) and host.slow(1.0)
+
+    slept = []
+    monkeypatch.setattr(E.time, "sleep", slept.append)
+
+    class Probe(E.HostSpeed):  # the GEMMs read calibrated speed throughout; the dispatch probe a spell, then not
+        def __init__(self, dispatch):
+            super().__init__(published("h100-sxm"))
+            self.feed = iter(dispatch)
+
+        def __call__(self):
+            self.dispatch = next(self.feed)
+            return 1.0
+
+    probe = Probe([1.4, 1.3, 1.1, 1.0])
+    assert probe.settled() == (1.0, 4.0) and slept == [2.0, 2.0]
+    probe = Probe([1.4, 1.0, None])
+    speeds, waited, before = E._probed(probe)
+    before("decode_b1/1")
+    before("decode_b1/n")
+    assert waited == {"decode_b1/1": 2.0, "decode_b1/n": 0.0} and probe.slowdowns == {"decode_b1/1": [1.0], "decode_b1/n": [None]}
+    assert E.slowdowns(probe, "decode_b1/1") == [1.0] and E.slowdowns(probe, "decode_b1/1", "decode_b1/n") == []
+
+
+def test_a_block_cost_is_the_lower_quartile_of_its_rounds():
+    """A slow spell only adds time: each fixed cost is the lower quartile of its rounds (5 rounds:
+    the second least), so two rounds in a spell leave it where the quiet rounds put it. Catches:
+    the median (the spell's rounds pull it up), the least (one lucky round)."""
+    from tensorpar.bench.calibrate_costs import BlockCosts, quiet
+
+    assert quiet([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0 and quiet([7.0]) == 7.0 and quiet([1.0, 3.0]) == 1.5
+    costs = object.__new__(BlockCosts)  # its samples as rounds would leave them: 1 and 6 blocks, 5 rounds
+    costs._layers, costs._new = (1, 6), 17
+    one, six = [1.5, 1.5, 3.0, 1.6, 2.8], [6.5, 7.0, 13.0, 6.6, 12.8]  # rounds 2 and 4 in a spell
+    costs._samples = {"train": {1: one, 6: six}}
+    block, step = costs.costs()["train"]
+    # slopes [1.0, 1.1, 2.0, 1.0, 2.0] (the median 1.1), intercepts [0.5, 0.4, 1.0, 0.6, 0.8] (the median 0.6)
+    assert block == pytest.approx(1.0) and step == pytest.approx(0.5)

@@ -170,7 +170,14 @@ class BlockCosts:
     step finds the caches another phase left). Both depths are timed in the same rounds, and each
     round gives a slope (the block's cost) and an intercept (the step's): :meth:`costs` takes the
     median of each over every round taken. On the host every norm of the models reads past the
-    caches first (:class:`ColdCaches`, ``cold``), the reads' own time taken out."""
+    caches first (:class:`ColdCaches`, ``cold``), the reads' own time taken out.
+
+    Each cost is the lower quartile of its rounds (:func:`quiet`), not their median: a
+    neighbour's slow spell only adds time, and the estimates bench waits spells out
+    (:meth:`~tensorpar.bench.host_speed.HostSpeed.settled`), so the profile is the machine between
+    them. On 2026-12-05 two calibrations (of 14) met a spell in most of their rounds; the median
+    put the decode block at 205 and 246 us (quiet calibrations: 123-152 us) and the decode at
+    batch 1 at 0.78 and 0.80 of its estimate."""
 
     def __init__(self, kind: str, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05, device="cpu",
                  cold: ColdCaches | None = None):
@@ -217,8 +224,8 @@ class BlockCosts:
         self._done += n
 
     def costs(self, rounds=None) -> dict:
-        """``{phase: (per_block_s, per_step_s)}``: the medians over the rounds taken (over the
-        round indices ``rounds``, where given: one window's)."""
+        """``{phase: (per_block_s, per_step_s)}``: the lower quartiles (:func:`quiet`) over the
+        rounds taken (over the round indices ``rounds``, where given: one window's)."""
         lo, hi = self._layers
         per_phase = {}
         for phase, every in self._samples.items():
@@ -234,8 +241,15 @@ class BlockCosts:
         for phase, by_depth in per_phase.items():
             slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
             intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
-            out[phase] = (max(0.0, statistics.median(slopes)), max(0.0, statistics.median(intercepts)))
+            out[phase] = (max(0.0, quiet(slopes)), max(0.0, quiet(intercepts)))
         return out
+
+
+def quiet(samples: list) -> float:
+    """The lower quartile of ``samples`` (linear between the nearest, as ``numpy.quantile``'s
+    default; 5 rounds: the second least): the time between a shared host's slow spells, which
+    only add time, less swayed by one lucky round than the least."""
+    return float(statistics.quantiles(samples, n=4, method="inclusive")[0]) if len(samples) > 1 else float(samples[0])
 
 
 def _forward(model, ids):

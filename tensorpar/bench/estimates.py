@@ -41,7 +41,7 @@ from tensorpar import distributed as dist
 from tensorpar.apply import parallelize
 from tensorpar.architecture.tiny_sizes import BENCH_LLAMA
 from tensorpar.bench import calibrate, train
-from tensorpar.bench.host_speed import HostSpeed, _probed
+from tensorpar.bench.host_speed import HostSpeed, _probed, slowdowns
 from tensorpar.bench.timing import interleaved, spread
 from tensorpar.distributed.dp_engines import init_mesh
 from tensorpar.models.checkpoint import load_sharded
@@ -173,7 +173,7 @@ def estimates_worker(path: str, repeats: int, batch: int, seq: int, new: int, pr
         guess = estimate(path, layout, profile, seq=seq, what="step")
         rows.append({"kind": "step", "case": name, "layout": _layout_text(layout, seq), "samples_s": samples[name],
                      **judged(statistics.median(samples[name]), guess, _known(speeds, name), samples[name]),
-                     "host_wait_s": waited.get(name, 0.0)})
+                     "dispatch_slowdowns": slowdowns(speed, name), "host_wait_s": waited.get(name, 0.0)})
     del cases
     return {"rows": rows + inference.rows(), "profile": profile.to_dict()}
 
@@ -213,6 +213,7 @@ class _Inference:
             self.runs[f"{name}/1"] = lambda m=models[model], e=engine, x=ids: generate(m, x, 1, engine=e)
             if what == "decode":
                 self.runs[f"{name}/n"] = lambda m=models[model], e=engine, x=ids: generate(m, x, new, engine=e)
+        self.speed = speed
         self.speeds, self.waited, self._before = _probed(speed)
         self.timed = {k: [] for k in self.runs}
 
@@ -240,6 +241,8 @@ class _Inference:
                          f"{'context ' + str(context) if what == 'decode' else 'prompt ' + str(PROMPT)}, "
                          f"{'lean' if engine == 'auto' else 'HF'} forward",
                          "samples_s": samples, **judged(statistics.median(samples), guess, known, samples),
+                         "dispatch_slowdowns": slowdowns(self.speed, *(f"{name}/{k}" for k in ("1", "n")
+                                                                       if f"{name}/{k}" in self.runs)),
                          "host_wait_s": sum(self.waited.get(f"{name}/{k}", 0.0) for k in ("1", "n"))})
         return rows
 

@@ -1,7 +1,8 @@
 """The host's speed against its calibrated profile, for the estimates bench
-(:mod:`tensorpar.bench.estimates`): a GEMM probe before each sample (:class:`HostSpeed`), a wait
-for a host in a slow spell (:meth:`HostSpeed.settled`), and the note on a run whose profile was
-measured in one (:func:`spell_note`).
+(:mod:`tensorpar.bench.estimates`): a GEMM probe and a dispatch probe before each sample
+(:class:`HostSpeed`, :class:`DispatchProbe`), a wait for a host in a slow spell
+(:meth:`HostSpeed.settled`), and the note on a run whose profile was measured in one
+(:func:`spell_note`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 
 from tensorpar import distributed as dist
 from tensorpar.bench import calibrate
+from tensorpar.bench.calibrate_costs import _models, _sampler, quiet
+from tensorpar.models.generation import generate
 from tensorpar.planner.profile import Profile
 
 # Before a sample, a host probed under 0.9 of its calibrated speed is waited for: probed again every
@@ -25,6 +28,33 @@ SETTLE_FLOOR, SETTLE_POLL_S, SETTLE_WAIT_S, SETTLE_BUDGET_S = 0.9, 2.0, 20.0, 24
 # 2026-12-05: runs whose calibration was sound probed 0.89-1.06; the two whose decode cases came out
 # at 0.70-0.80 of their estimates probed 1.10 and 1.14 (their fixed costs 1.5-1.8x the others').
 PROFILE_SLOW = 1.08
+# The dispatch probe's reading over the lower quartile of its readings so far in the run, from its
+# DISPATCH_AFTER-th on, above which the host is waited for too (as under SETTLE_FLOOR): a spell that
+# took a block's Python and dispatch 1.4-2x while the GEMM probe moved under 10% put a run's decode
+# at batch 8 at 1.25x its estimate (2026-12-05). Its own readings, not calibrate's: the same probe
+# read 1.5x apart in calibrate's process and the bench's (0.55 against 0.37 ms, a quiet run).
+DISPATCH_CEIL, DISPATCH_AFTER = 1.25, 4
+
+
+class DispatchProbe:
+    """About 50 ms of a tiny unsplit Llama of one block generating a token from a 4-token prompt
+    (Python and dispatch, the work of a block's fixed cost; :mod:`tensorpar.bench.calibrate_costs`),
+    on every rank at once: the slowest rank's seconds per call. Making one is collective (the
+    ranks agree on the count of calls)."""
+
+    def __init__(self, device="cpu"):
+        model = _models(1, "dense", device).eval()
+        ids = torch.arange(4, device=device).reshape(1, 4)
+
+        def token():
+            with torch.no_grad():
+                generate(model, ids, 1)
+        self._sample = _sampler(token, 0.05, device)
+
+    def __call__(self) -> float:
+        t = torch.tensor([self._sample()], dtype=torch.float64)
+        dist.all_reduce(t, op="max")
+        return float(t.item())
 
 
 class HostSpeed:
@@ -42,12 +72,19 @@ class HostSpeed:
     ``SETTLE_POLL_S`` and probes again, sleeping at most ``SETTLE_WAIT_S`` a sample and
     ``SETTLE_BUDGET_S`` a run (the probes' own time, about 0.1 s each, comes on top); then the
     sample is taken whatever the probe reads. The probe, not the sample, decides,
-    and every rank sees the same reading (the slowest rank's), so they wait together."""
+    and every rank sees the same reading (the slowest rank's), so they wait together.
+
+    A :class:`DispatchProbe` goes with the GEMMs, for the spells a GEMM misses (Python and
+    dispatch slowed, memory not): ``dispatch`` is its latest reading over the lower quartile of
+    its readings so far (None for the first ``DISPATCH_AFTER - 1``), and :meth:`settled` also
+    waits while it reads over ``DISPATCH_CEIL``."""
 
     def __init__(self, profile: Profile, budget_s: float | None = None):
         self.budget_s = SETTLE_BUDGET_S if budget_s is None else budget_s
         points = {tuple(p[:3]): p[3] for p in profile.gemm_for("fp32").fit.get("points") or []}
         self.usable = bool(points)
+        self.dispatch, self.readings, self._dispatch = None, [], DispatchProbe() if self.usable else None
+        self.slowdowns: dict = {}  # {sample name: [dispatch before each]}: the rows' diagnostic
         self.shapes, self.ref, self.calls = [], [], []
         if self.usable:
             n, k = max({(n, k) for _, n, k in points}, key=lambda nk: (nk[0] * nk[1], nk))
@@ -66,13 +103,26 @@ class HostSpeed:
         now = torch.tensor([calibrate._median_time(call, 1) for call in self.calls], dtype=torch.float64)
         dist.all_reduce(now, op="max")
         ratios = [ref / t for ref, t in zip(self.ref, now.tolist())]
+        self.note_dispatch(self._dispatch())
         return float(torch.tensor(ratios).log().mean().exp())
+
+    def note_dispatch(self, seconds: float) -> None:
+        """Keep the dispatch probe's reading; ``dispatch`` is it over the lower quartile of the
+        run's readings (:func:`~tensorpar.bench.calibrate_costs.quiet`), from the
+        ``DISPATCH_AFTER``-th on."""
+        self.readings.append(seconds)
+        self.dispatch = seconds / quiet(self.readings) if len(self.readings) >= DISPATCH_AFTER else None
+
+    def slow(self, speed: float | None) -> bool:
+        """Whether the probes (the GEMMs' ``speed``, the dispatch probe's ``dispatch``) find the host in a slow spell."""
+        return speed is not None and (speed < SETTLE_FLOOR or (self.dispatch or 0.0) > DISPATCH_CEIL)
 
     def settled(self) -> tuple[float | None, float]:
         """``(speed, seconds waited)``: the probe's reading once the host is back within
-        ``SETTLE_FLOOR`` of its calibrated speed, or once this sample's or this run's wait is spent."""
+        ``SETTLE_FLOOR`` of its calibrated speed (and the dispatch probe under ``DISPATCH_CEIL``
+        of its run's), or once this sample's or this run's wait is spent."""
         speed, waited = self(), 0.0
-        while (speed is not None and speed < SETTLE_FLOOR and waited + SETTLE_POLL_S <= SETTLE_WAIT_S
+        while (self.slow(speed) and waited + SETTLE_POLL_S <= SETTLE_WAIT_S
                and self.budget_s >= SETTLE_POLL_S):
             time.sleep(SETTLE_POLL_S)
             waited += SETTLE_POLL_S
@@ -95,13 +145,22 @@ def spell_note(rows: list) -> str | None:
 
 def _probed(host: HostSpeed) -> tuple[dict, dict, object]:
     """``(speeds, waited, before)``: ``before(name)`` for :func:`interleaved` waits for a host in a
-    slow spell (:meth:`HostSpeed.settled`), then records its speed into ``speeds[name]`` and the
-    seconds waited into ``waited[name]``."""
+    slow spell (:meth:`HostSpeed.settled`), then records its speed into ``speeds[name]``, the
+    seconds waited into ``waited[name]`` and the dispatch probe's reading into
+    ``host.slowdowns[name]``."""
     speeds: dict = {}
     waited: dict = {}
 
     def before(name):
         speed, w = host.settled()
         speeds.setdefault(name, []).append(speed)
+        host.slowdowns.setdefault(name, []).append(host.dispatch)
         waited[name] = waited.get(name, 0.0) + w
     return speeds, waited, before
+
+
+def slowdowns(host: HostSpeed, *names) -> list:
+    """Per round, the larger dispatch probe reading (:attr:`HostSpeed.dispatch`) before the
+    samples of ``names``, where read: a row's diagnostic."""
+    rows = zip(*(host.slowdowns.get(n) or [] for n in names))
+    return [max(r) for r in rows if None not in r]
