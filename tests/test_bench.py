@@ -302,6 +302,8 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     profile = from_dict(out["profile"])
     assert set(PHASES) <= set(profile.block_call_s) and profile.measured["ranks"] == 2
     assert set(profile.links) == {"shm", "gloo"} and all(set(link.ops) == set(OPS) for link in profile.links.values())
+    # the all-reduce's small payloads at more moments (after each kind's rounds: 2 kinds x 2 windows)
+    assert all(len(link.ops["all_reduce"]["2"]["fit"]["latency"]) == 4 * 3 for link in profile.links.values())
     assert all(g.rate_flops > 0 and "median_rel_err" in g.fit for g in profile.gemm.values())
     rows = out["rows"]
     assert [r["case"] for r in rows] == ["tp2", "dp2_ddp", "dp2_fsdp", "pp2", "decode_b1", "decode_b8", "decode_hf_b1",
@@ -386,6 +388,25 @@ def test_calibrate_fits_recover_known_figures():
     fit = fit_link(pts)
     assert fit["alpha_s"] == pytest.approx(1.4e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
     assert fit_link([(8, 1e-3), (32, 2e-3), (1 << 20, 5e-3)])["alpha_s"] == pytest.approx(1.5e-3)  # none from 64 B
+    # more moments of the small payloads join the grid's in the median (8 B and large ones do not):
+    # 0.5, 1.0, 1.1, 1.2, 1.4, 1.5 ms
+    more = [(64, 1.0e-3), (4096, 1.1e-3), (512, 1.2e-3), (8, 1e-5), (1 << 20, 1.0)]
+    fit = fit_link(pts, more)
+    assert fit["alpha_s"] == pytest.approx(1.15e-3) and fit["fit"]["latency"] == [[n, s] for n, s in more]
+    assert "latency" not in fit_link(pts)["fit"]
+
+
+def test_calibrate_keeps_the_slowest_ranks_latency_samples():
+    """The all-reduce's extra samples (``LatencySamples``), per transport and group size, each the
+    slowest member's; a group a rank is outside of leaves it none. Catches: the fastest rank's,
+    one rank's only, samples of different moments mixed."""
+    from tensorpar.bench.calibrate import _latency_of
+
+    r0 = {"latency": {"gloo": {2: [(64, 1e-3), (512, 3e-3)], 3: [(64, 2e-3)]}}}
+    r1 = {"latency": {"gloo": {2: [(64, 2e-3), (512, 1e-3)], 3: [(64, 1e-3)]}}}
+    r2 = {"latency": {"gloo": {2: [], 3: [(64, 4e-3)]}}}
+    assert _latency_of([r0, r1, r2]) == {"gloo": {2: [(64, 2e-3), (512, 3e-3)], 3: [(64, 4e-3)]}}
+    assert _latency_of([{}]) == {}
 
 
 def test_calibrate_takes_each_point_as_the_median_of_its_passes():
@@ -405,10 +426,10 @@ def test_calibrate_takes_each_point_as_the_median_of_its_passes():
     assert out["memory"] == pytest.approx(1e10 / 3.0) and out["optimizer"] == 3.0
 
 
-def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_median():
+def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_lower_quartile():
     """Five rounds in three windows (2, 2, 1), a smoke run's three in two; a block's cost is the
-    median over rounds of each round's slope over depths, so one spoiled round (a slow spell) does
-    not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
+    lower quartile over rounds of each round's slope over depths, so one spoiled round (a slow
+    spell) does not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
     ``(t(new) - t(1)) / (new - 1)``, prefill from the long generation."""
     from tensorpar.bench.timing import spread
     from tensorpar.bench.calibrate_costs import BlockCosts

@@ -31,7 +31,8 @@ windows of a few seconds).
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
-  fit's errors reported;
+  fit's errors reported; the all-reduce's small payloads also after each kind's rounds of the
+  fixed costs, 12 moments more for its ``alpha`` (:class:`LatencySamples`);
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
   the work before it.
 
@@ -125,14 +126,17 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
         keep.pop(int(np.argmin(sol)))
 
 
-def fit_link(points: list) -> dict:
+def fit_link(points: list, latency=()) -> dict:
     """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``: the latency
     ``alpha`` is the median time of the small payloads (``LEAST`` to ``SMALL`` bytes: there the
     bytes cost nothing, and a transport's latency is often bimodal, which a straight line through
     every size would average away; below ``LEAST``, a payload of an element or two a rank, gloo
-    takes a faster path than any layer's collective), ``beta`` the median of ``(t - alpha) / n``
-    over the large ones (at least ``LARGE`` bytes); the fit's errors are over every point."""
-    small = ([s for n, s in points if LEAST <= n <= SMALL] or [s for n, s in points if n <= SMALL]
+    takes a faster path than any layer's collective), with ``latency``'s samples of them where
+    given (:class:`LatencySamples`: the same payloads at more moments), ``beta`` the median of
+    ``(t - alpha) / n`` over the large ones (at least ``LARGE`` bytes); the fit's errors are over
+    every point."""
+    more = [s for n, s in latency if LEAST <= n <= SMALL]
+    small = ([s for n, s in points if LEAST <= n <= SMALL] + more or [s for n, s in points if n <= SMALL]
              or [min(s for _, s in points)])
     alpha = float(statistics.median(small))
     large = [(s - alpha) / n for n, s in points if n >= LARGE and s > alpha]
@@ -142,7 +146,8 @@ def fit_link(points: list) -> dict:
     err = np.abs(pred - t) / t
     return {"alpha_s": alpha, "beta_s_per_byte": beta,
             "fit": {"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()),
-                    "points": [[int(n), float(s)] for n, s in points]}}
+                    "points": [[int(n), float(s)] for n, s in points],
+                    **({"latency": [[int(n), float(s)] for n, s in latency]} if latency else {})}}
 
 
 def memory_rate(repeats: int, device="cpu") -> float:
@@ -178,6 +183,31 @@ def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
     return out
 
 
+class LatencySamples:
+    """The all-reduce's small payloads (``LEAST`` to ``SMALL``: 64 B, 512 B and 4 KiB) timed at
+    more moments than the three windows' grids: :meth:`take` once after each kind's rounds of the
+    fixed costs, 12 moments over the calibration (a sample is 32 back-to-back calls, ~50 ms over
+    gloo), kept per transport and group size for :func:`fit_link`'s ``alpha``. Gloo's latency over
+    loopback jumps between 0.8 and 2.1 ms within seconds: the windows' grids, three moments of
+    about a second each, put its ``alpha`` at 1.25-1.92 ms across the calibrations of 2026-12-05
+    while the bench's decode over gloo paid a steadier 1.27-1.74 ms a call over its minutes, and
+    five of 24 runs had that case at 0.76-0.82 of its estimate. The all-reduce only: every
+    tensor-parallel layer pays it; the other operations' ``alpha`` keep the windows' grids."""
+
+    PAYLOADS = (64, 512, 4096)
+
+    def __init__(self, groups: dict, device="cpu"):
+        self.groups, self.device = groups, device
+        self.samples = {tr: {p: [] for p in by_size} for tr, by_size in groups.items()}
+
+    def take(self) -> None:
+        for tr, by_size in self.groups.items():
+            for p, group in by_size.items():
+                if dist.get_rank() < p:
+                    self.samples[tr][p] += [(n, time_collective("all_reduce", n, group, list(range(p)), repeats=1,
+                                                                device=self.device)) for n in self.PAYLOADS]
+
+
 # ---- the job --------------------------------------------------------------------------------------
 
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
@@ -200,6 +230,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
                 groups=link_groups(dist.get_world_size(), device),
                 optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
     took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}
+    latency = LatencySamples(grid["groups"], device)
     windows = spread(repeats, 2 if quick else 3)
     for i, rounds in enumerate(windows):
         t = time.perf_counter()
@@ -218,8 +249,10 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
             blocks.update({kind: BlockCosts(kind, new, device=device, cold=cold, **kw) for kind in kinds})
         for costs in blocks.values():
             costs.rounds(rounds)
+            latency.take()
         took["blocks"] += time.perf_counter() - t
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
+                 "latency": latency.samples,
                  "by_window": _by_window(passes, blocks.get("split"), windows),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  **_median_of_passes(passes), "seconds": time.perf_counter() - t0,
@@ -312,7 +345,19 @@ def _slowest(per_rank: list) -> dict:
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu"),
             "by_window": _max_over([r["by_window"] for r in per_rank]) if "by_window" in first else None,
+            "latency": _latency_of(per_rank),
             "seconds_by_part": first.get("seconds_by_part")}
+
+
+def _latency_of(per_rank: list) -> dict:
+    """:class:`LatencySamples`' samples, each the slowest member's (a rank outside a group has none)."""
+    out = {}
+    for tr, by_size in (per_rank[0].get("latency") or {}).items():
+        out[tr] = {}
+        for p in by_size:
+            mine = [r["latency"][tr][p] for r in per_rank if r["latency"][tr][p]]
+            out[tr][p] = [(pt[0], max(m[i][1] for m in mine)) for i, pt in enumerate(mine[0])] if mine else []
+    return out
 
 
 def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
@@ -343,7 +388,9 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
     node and gloo across; on GPUs, NCCL both (across nodes it is NCCL's too, over another link:
     calibrate a multi-node run to measure it)."""
     gemm = {k: fit_gemm(pts, WIDTH[k]) for k, pts in m["gemm"].items()}
-    links = {tr: Link(tr, {op: {str(p): fit_link(pts) for p, pts in table.items()} for op, table in ops.items()})
+    latency = m.get("latency") or {}
+    links = {tr: Link(tr, {op: {str(p): fit_link(pts, latency.get(tr, {}).get(p, ()) if op == "all_reduce" else ())
+                                for p, pts in table.items()} for op, table in ops.items()})
              for tr, ops in m["links"].items()}
     suffix = {"split": "", "dense": "@tp1", "ddp": "@ddp", "fsdp": "@fsdp"}
 
