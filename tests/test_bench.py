@@ -595,7 +595,7 @@ def test_the_estimates_page_flags_each_run_whose_profile_met_a_slow_spell():
 
 def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(monkeypatch):
     """Before a sample, a probe under 0.9 of the calibrated speed is waited for (probed again every
-    2 s), at most 20 s a sample and the run's budget in all; a preset (no probe) never waits.
+    2 s), at most ``SETTLE_WAIT_S`` (60 s) a sample and the run's budget in all; a preset (no probe) never waits.
     Catches: no wait, a wait without end (a slow spell of a minute), the budget not spent, the
     sample's own time deciding instead of the probe's."""
     from tensorpar.bench import host_speed as E
@@ -615,8 +615,8 @@ def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(
     assert Probe([1.0]).settled() == (1.0, 0.0) and slept == []
     assert Probe([0.8, 0.85, 0.95]).settled() == (0.95, 4.0) and slept == [2.0, 2.0]
     slow = Probe([0.5] * 100)
-    assert slow.settled() == (0.5, 20.0)  # a sample's most
-    assert slow.budget_s == E.SETTLE_BUDGET_S - 20.0
+    assert E.SETTLE_WAIT_S == 60.0 and slow.settled() == (0.5, 60.0)  # a sample's most
+    assert slow.budget_s == E.SETTLE_BUDGET_S - 60.0
     spent = Probe([0.5] * 100, budget_s=5.0)
     assert spent.settled() == (0.5, 4.0) and spent.settled() == (0.5, 0.0)  # the run's budget, then none
     assert E.HostSpeed(published("h100-sxm")).settled() == (None, 0.0)  # a preset: nothing to probe
