@@ -1,7 +1,7 @@
 """docs/bench/estimates.md: `tensorpar calibrate` then `tensorpar bench --suite estimates`, three
 times one after the other, and every case's measured / estimate in each run (issue 23's test).
 
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~7-19 min
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python tools/estimates_page.py            # ~8-30 min
     .venv/bin/python tools/estimates_page.py --from bench/out/estimates-runs               # re-render
 
 Each run's profile and bench output stay in ``--dir`` (default bench/out/estimates-runs); the page
@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tensorpar.bench.estimates import TARGET, estimates_table  # noqa: E402
-from tensorpar.bench.host_speed import SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S, spell_note  # noqa: E402
+from tensorpar.bench.host_speed import (DISPATCH_CEIL, SETTLE_BUDGET_S, SETTLE_FLOOR, SETTLE_WAIT_S,  # noqa: E402
+                                         spell_note)
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORPAR = [sys.executable, "-m", "tensorpar"]
@@ -88,8 +89,9 @@ def page(runs: list) -> str:
     waited = ""
     if all("host_wait_s" in r for run in runs for r in run["rows"]):  # runs from before the wait have no figure
         waits = [sum(r["host_wait_s"] for r in run["rows"]) for run in runs]
-        waited = ("Before its samples, each run waited for the host in a slow spell (a probe under "
-                  f"{SETTLE_FLOOR:.0%} of its calibrated speed; sleeping at most {SETTLE_WAIT_S:.0f} s a sample, "
+        waited = ("Before its samples, each run waited for the host in a slow spell (a GEMM probe under "
+                  f"{SETTLE_FLOOR:.0%} of its calibrated speed, or a dispatch probe over {DISPATCH_CEIL:.2f}x the "
+                  f"run's own; sleeping at most {SETTLE_WAIT_S:.0f} s a sample, "
                   f"{SETTLE_BUDGET_S:.0f} s a run; the speeds in brackets are the probes' after any wait): "
                   + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits)) + ".\n\n")
     spells = [f"run {i + 1}: {note}" for i, run in enumerate(runs) if (note := spell_note(run["rows"]))]

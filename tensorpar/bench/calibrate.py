@@ -32,7 +32,7 @@ windows of a few seconds).
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
   fit's errors reported; the all-reduce's small payloads also after each kind's rounds of the
-  fixed costs, 12 moments more for its ``alpha`` (:class:`LatencySamples`);
+  fixed costs, 12 moments more, most of its ``alpha``'s median (:class:`LatencySamples`);
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
   the work before it.
 
@@ -186,8 +186,10 @@ def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
 class LatencySamples:
     """The all-reduce's small payloads (``LEAST`` to ``SMALL``: 64 B, 512 B and 4 KiB) timed at
     more moments than the three windows' grids: :meth:`take` once after each kind's rounds of the
-    fixed costs, 12 moments over the calibration (a sample is 32 back-to-back calls, ~50 ms over
-    gloo), kept per transport and group size for :func:`fit_link`'s ``alpha``. Gloo's latency over
+    fixed costs, 12 moments in a full calibration (4 kinds in 3 windows; 4 in a quick one), a
+    sample 32 back-to-back calls (~50 ms over gloo), kept per transport and group size for
+    :func:`fit_link`'s ``alpha``: 36 samples beside the grid's 3 points, so they make most of its
+    median (``by_window``'s alpha is each window's grid alone). Gloo's latency over
     loopback jumps between 0.8 and 2.1 ms within seconds: the windows' grids, three moments of
     about a second each, put its ``alpha`` at 1.25-1.92 ms across the calibrations of 2026-12-05
     while the bench's decode over gloo paid a steadier 1.27-1.74 ms a call over its minutes, and

@@ -167,17 +167,20 @@ class BlockCosts:
     spoils the rounds of one window, not every round (measured in one window, a phase's cost came
     out up to twice another calibration's). Within a window each phase's rounds run one after the
     other, after one warm-up call of each of its functions (a decode step right after a training
-    step finds the caches another phase left). Both depths are timed in the same rounds, and each
-    round gives a slope (the block's cost) and an intercept (the step's): :meth:`costs` takes the
-    median of each over every round taken. On the host every norm of the models reads past the
-    caches first (:class:`ColdCaches`, ``cold``), the reads' own time taken out.
+    step finds the caches another phase left). Both depths are timed in the same rounds, so the
+    host's drift meets both alike. On the host every norm of the models reads past the caches
+    first (:class:`ColdCaches`, ``cold``), the reads' own time taken out.
 
-    Each cost is the lower quartile of its rounds (:func:`quiet`), not their median: a
-    neighbour's slow spell only adds time, and the estimates bench waits spells out
+    :meth:`costs` takes each timed function's lower quartile over the rounds (:func:`quiet`), then
+    the slope over depths (the block's cost) and the intercept (the step's), and a decode step as
+    the difference of its two loops. The lower quartile, not the median: a neighbour's slow spell
+    only adds time to a sample, and the estimates bench waits spells out
     (:meth:`~tensorpar.bench.host_speed.HostSpeed.settled`), so the profile is the machine between
     them. On 2026-12-05 two calibrations (of 14) met a spell in most of their rounds; the median
     put the decode block at 205 and 246 us (quiet calibrations: 123-152 us) and the decode at
-    batch 1 at 0.78 and 0.80 of its estimate."""
+    batch 1 at 0.78 and 0.80 of its estimate. Each sample's quartile, not each round's slope's: a
+    spell on the subtracted sample (one block's, one token's loop) makes a difference smaller, so
+    the lower quartile of differences would pick exactly the spoiled rounds."""
 
     def __init__(self, kind: str, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05, device="cpu",
                  cold: ColdCaches | None = None):
@@ -224,24 +227,23 @@ class BlockCosts:
         self._done += n
 
     def costs(self, rounds=None) -> dict:
-        """``{phase: (per_block_s, per_step_s)}``: the lower quartiles (:func:`quiet`) over the
-        rounds taken (over the round indices ``rounds``, where given: one window's)."""
+        """``{phase: (per_block_s, per_step_s)}`` from each timed function's lower quartile
+        (:func:`quiet`) over the rounds taken (over the round indices ``rounds``, where given: one
+        window's)."""
         lo, hi = self._layers
         per_phase = {}
         for phase, every in self._samples.items():
-            samples = every if rounds is None else {k: [v[i] for i in rounds] for k, v in every.items()}
+            t = {k: quiet(v if rounds is None else [v[i] for i in rounds]) for k, v in every.items()}
             if phase.startswith("decode"):  # one token's cost: the loop of ``new`` tokens less the loop of one
-                per_phase[phase] = {d: [(n - o) / (self._new - 1) for o, n in zip(samples[(1, d)], samples[(self._new, d)])]
-                                    for d in self._layers}
+                per_phase[phase] = {d: (t[(self._new, d)] - t[(1, d)]) / (self._new - 1) for d in self._layers}
                 if not phase.startswith("decode_hf"):
-                    per_phase["prefill" + phase[len("decode"):]] = {d: samples[(1, d)] for d in self._layers}
+                    per_phase["prefill" + phase[len("decode"):]] = {d: t[(1, d)] for d in self._layers}
             else:
-                per_phase[phase] = samples
+                per_phase[phase] = t
         out = {}
-        for phase, by_depth in per_phase.items():
-            slopes = [(h - lw) / (hi - lo) for lw, h in zip(by_depth[lo], by_depth[hi])]
-            intercepts = [lw - lo * sl for lw, sl in zip(by_depth[lo], slopes)]
-            out[phase] = (max(0.0, quiet(slopes)), max(0.0, quiet(intercepts)))
+        for phase, at in per_phase.items():
+            slope = (at[hi] - at[lo]) / (hi - lo)
+            out[phase] = (max(0.0, slope), max(0.0, at[lo] - lo * slope))
         return out
 
 

@@ -40,18 +40,22 @@ DISPATCH_CEIL, DISPATCH_AFTER = 1.25, 4
 
 
 class DispatchProbe:
-    """About 50 ms of a tiny unsplit Llama of one block generating a token from a 4-token prompt
-    (Python and dispatch, the work of a block's fixed cost; :mod:`tensorpar.bench.calibrate_costs`),
-    on every rank at once: the slowest rank's seconds per call. Making one is collective (the
-    ranks agree on the count of calls)."""
+    """A tiny unsplit Llama of one block generating a token from a 4-token prompt (Python and
+    dispatch, the work of a block's fixed cost; :mod:`tensorpar.bench.calibrate_costs`), 50 calls
+    (20-30 ms on this project's VM), on every rank at once: the slowest rank's seconds per call.
+    Making one is collective (the ranks agree on the count of calls); it leaves the global random
+    state as it found it."""
 
     def __init__(self, device="cpu"):
-        model = _models(1, "dense", device).eval()
+        with torch.random.fork_rng(devices=[]):  # the tiny model is made from seed 0
+            model = _models(1, "dense", device).eval()
         ids = torch.arange(4, device=device).reshape(1, 4)
 
         def token():
             with torch.no_grad():
                 generate(model, ids, 1)
+        token()
+        token()  # warm: the count of calls comes from the next one's time
         self._sample = _sampler(token, 0.05, device)
 
     def __call__(self) -> float:
@@ -73,14 +77,16 @@ class HostSpeed:
     calibrated speed (the profile describes the machine as calibrated; a neighbour taking a
     fifth of the CPU is not that machine): while the probe reads under ``SETTLE_FLOOR`` it sleeps
     ``SETTLE_POLL_S`` and probes again, sleeping at most ``SETTLE_WAIT_S`` a sample and
-    ``SETTLE_BUDGET_S`` a run (the probes' own time, about 0.1 s each, comes on top); then the
+    ``SETTLE_BUDGET_S`` a run (the probes' own time, about 0.1 s each with the dispatch probe's,
+    comes on top); then the
     sample is taken whatever the probe reads. The probe, not the sample, decides,
     and every rank sees the same reading (the slowest rank's), so they wait together.
 
     A :class:`DispatchProbe` goes with the GEMMs, for the spells a GEMM misses (Python and
     dispatch slowed, memory not): ``dispatch`` is its latest reading over the lower quartile of
-    its readings so far (None for the first ``DISPATCH_AFTER - 1``), and :meth:`settled` also
-    waits while it reads over ``DISPATCH_CEIL``."""
+    the run's readings that were not judged slow (:meth:`note_dispatch`; None for the first
+    ``DISPATCH_AFTER - 1``), and :meth:`settled` also waits while it reads over
+    ``DISPATCH_CEIL``."""
 
     def __init__(self, profile: Profile, budget_s: float | None = None):
         self.budget_s = SETTLE_BUDGET_S if budget_s is None else budget_s
@@ -110,11 +116,18 @@ class HostSpeed:
         return float(torch.tensor(ratios).log().mean().exp())
 
     def note_dispatch(self, seconds: float) -> None:
-        """Keep the dispatch probe's reading; ``dispatch`` is it over the lower quartile of the
-        run's readings (:func:`~tensorpar.bench.calibrate_costs.quiet`), from the
-        ``DISPATCH_AFTER``-th on."""
-        self.readings.append(seconds)
-        self.dispatch = seconds / quiet(self.readings) if len(self.readings) >= DISPATCH_AFTER else None
+        """Judge the dispatch probe's reading: from the ``DISPATCH_AFTER``-th on, ``dispatch`` is
+        it over the lower quartile (:func:`~tensorpar.bench.calibrate_costs.quiet`) of ``readings``
+        and it; ``readings`` keeps it unless that is over ``DISPATCH_CEIL`` (the first ones
+        always), so that the polls of a long wait do not teach the reference the spell they wait
+        out."""
+        if len(self.readings) < DISPATCH_AFTER - 1:
+            self.readings.append(seconds)
+            self.dispatch = None
+            return
+        self.dispatch = seconds / quiet(self.readings + [seconds])
+        if self.dispatch <= DISPATCH_CEIL:
+            self.readings.append(seconds)
 
     def slow(self, speed: float | None) -> bool:
         """Whether the probes (the GEMMs' ``speed``, the dispatch probe's ``dispatch``) find the host in a slow spell."""
