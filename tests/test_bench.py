@@ -426,10 +426,10 @@ def test_calibrate_takes_each_point_as_the_median_of_its_passes():
     assert out["memory"] == pytest.approx(1e10 / 3.0) and out["optimizer"] == 3.0
 
 
-def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_lower_quartile():
+def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_least():
     """Five rounds in three windows (2, 2, 1), a smoke run's three in two; a block's cost is the
-    lower quartile over rounds of each round's slope over depths, so one spoiled round (a slow
-    spell) does not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
+    slope over depths of each timed function's least sample, so one spoiled round (a slow spell)
+    does not move it. Catches: every round in one window, a window dropped, a mean, a decode step not
     ``(t(new) - t(1)) / (new - 1)``, prefill from the long generation."""
     from tensorpar.bench.timing import spread
     from tensorpar.bench.calibrate_costs import BlockCosts
@@ -627,7 +627,8 @@ def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(
 
 
 def test_the_estimates_bench_waits_while_its_dispatch_probe_reads_slow(monkeypatch):
-    """The dispatch probe's reading over the lower quartile of the run's readings so far, from the
+    """The dispatch probe's reading over the lower quartile of the run's readings so far (the
+    quiet ones), from the
     ``DISPATCH_AFTER``-th on; over ``DISPATCH_CEIL`` the host is waited for as for a slow GEMM
     probe, whatever the GEMMs read. Catches: the reference taken as the median (a spell of half
     the readings would hide itself), the first readings judged against too few, a dispatch
@@ -669,21 +670,22 @@ def test_the_estimates_bench_waits_while_its_dispatch_probe_reads_slow(monkeypat
     assert E.slowdowns(probe, "decode_b1/1") == [1.0] and E.slowdowns(probe, "decode_b1/1", "decode_b1/n") == []
 
 
-def test_a_block_cost_is_the_lower_quartile_of_its_rounds():
-    """A slow spell only adds time to a sample: each timed function's cost is its lower quartile
-    over the rounds (5 rounds: the second least), then the slope over depths and the intercept.
-    Catches: the median (the spell's rounds pull it up), the least (one lucky round), the lower
-    quartile of each round's slope (a spell on the one-block sample makes that round's slope
-    smaller, and the quartile picks it)."""
-    from tensorpar.bench.calibrate_costs import BlockCosts, quiet
+def test_a_block_cost_is_the_least_of_its_rounds():
+    """What moves a sample on a shared host only adds time: each timed function's cost is its
+    least sample over the rounds, then the slope over depths and the intercept. Catches: the
+    median and the lower quartile (a spell over four rounds of five pulls them up), the least
+    of each round's slope (a spell on the one-block sample alone makes that round's slope smaller,
+    and the least picks it)."""
+    from tensorpar.bench.calibrate_costs import BlockCosts
+    from tensorpar.bench.host_speed import lower_quartile
 
-    assert quiet([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0 and quiet([7.0]) == 7.0 and quiet([1.0, 3.0]) == 1.5
+    assert lower_quartile([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0 and lower_quartile([7.0]) == 7.0
     costs = object.__new__(BlockCosts)  # its samples as rounds would leave them: 1 and 6 blocks, 5 rounds
     costs._layers, costs._new = (1, 6), 17
-    # rounds 2 and 3: a spell on the one-block sample only; round 5: on the six-block one
-    one, six = [1.5, 3.0, 3.0, 1.6, 1.4], [6.5, 6.6, 6.6, 6.6, 12.0]
+    # a spell over rounds 1, 2, 4 and 5; in round 4 on the one-block sample only
+    one, six = [3.0, 3.1, 1.5, 3.2, 2.9], [13.0, 12.8, 6.6, 6.7, 12.0]
     costs._samples = {"train": {1: one, 6: six}}
     block, step = costs.costs()["train"]
-    # quartiles 1.5 and 6.6: a block 1.02, the step 0.48 (each round's slope: 1.0, 0.72, 0.72, 1.0, 2.12,
-    # their lower quartile 0.72; the medians, 1.6 and 6.6, put the block at 1.0; the least, the step at 0.38)
+    # least 1.5 and 6.6: a block 1.02, the step 0.48 (each round's slope: 2.0, 1.94, 1.02, 0.7, 1.82, the
+    # least 0.7; the lower quartiles, 2.9 and 6.7, put the block at 0.76; the medians, 3.0 and 12.0, at 1.8)
     assert block == pytest.approx(1.02) and step == pytest.approx(0.48)

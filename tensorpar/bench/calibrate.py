@@ -217,7 +217,7 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     """Every rank's measurements (each rank gets all of them): in each of three windows the rates
     and collectives (:func:`_rates`) then rounds of the fixed costs
     (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`), the wait at a collective before the
-    last; each rate the median of the windows', each fixed cost the lower quartile over every round. ``quick``: the
+    last; each rate the median of the windows', each fixed cost the least over every round. ``quick``: the
     fixed costs of the split and unsplit models only, at batch 1, over 1 and 2 blocks, short
     samples, in two windows, the rates in the first only, the wait at two lengths of work (a
     smoke run)."""

@@ -171,16 +171,19 @@ class BlockCosts:
     host's drift meets both alike. On the host every norm of the models reads past the caches
     first (:class:`ColdCaches`, ``cold``), the reads' own time taken out.
 
-    :meth:`costs` takes each timed function's lower quartile over the rounds (:func:`quiet`), then
-    the slope over depths (the block's cost) and the intercept (the step's), and a decode step as
-    the difference of its two loops. The lower quartile, not the median: a neighbour's slow spell
-    only adds time to a sample, and the estimates bench waits spells out
+    :meth:`costs` takes each timed function's least sample over the rounds, then the slope over
+    depths (the block's cost) and the intercept (the step's), and a decode step as the difference
+    of its two loops. The least, not the median: a sample is ~50 ms of calls, and what moves it
+    on a shared host only adds time (a neighbour's slow spell; nothing runs a loop faster than the
+    machine), and the estimates bench waits spells out
     (:meth:`~tensorpar.bench.host_speed.HostSpeed.settled`), so the profile is the machine between
-    them. On 2026-12-05 two calibrations (of 14) met a spell in most of their rounds; the median
-    put the decode block at 205 and 246 us (quiet calibrations: 123-152 us) and the decode at
-    batch 1 at 0.78 and 0.80 of its estimate. Each sample's quartile, not each round's slope's: a
-    spell on the subtracted sample (one block's, one token's loop) makes a difference smaller, so
-    the lower quartile of differences would pick exactly the spoiled rounds."""
+    them (as ``timeit`` takes the least of its repeats). On 2026-12-05 three calibrations (of 16)
+    met a spell in most of their rounds: the median put the decode block at 205 and 246 us (quiet
+    calibrations: 123-152 us) and the decode at batch 1 at 0.78 and 0.80 of its estimate, and in
+    the third the lower quartile still 201 us (0.78), four of its five rounds in the spell. Each
+    sample's least, not each round's slope's: a spell on the subtracted sample (one block's, one
+    token's loop) makes a difference smaller, so the least of differences would pick exactly the
+    spoiled rounds."""
 
     def __init__(self, kind: str, new: int = 17, *, layers=LAYERS, batches=BATCHES, min_s: float = 0.05, device="cpu",
                  cold: ColdCaches | None = None):
@@ -227,13 +230,12 @@ class BlockCosts:
         self._done += n
 
     def costs(self, rounds=None) -> dict:
-        """``{phase: (per_block_s, per_step_s)}`` from each timed function's lower quartile
-        (:func:`quiet`) over the rounds taken (over the round indices ``rounds``, where given: one
-        window's)."""
+        """``{phase: (per_block_s, per_step_s)}`` from each timed function's least sample over
+        the rounds taken (over the round indices ``rounds``, where given: one window's)."""
         lo, hi = self._layers
         per_phase = {}
         for phase, every in self._samples.items():
-            t = {k: quiet(v if rounds is None else [v[i] for i in rounds]) for k, v in every.items()}
+            t = {k: min(v if rounds is None else [v[i] for i in rounds]) for k, v in every.items()}
             if phase.startswith("decode"):  # one token's cost: the loop of ``new`` tokens less the loop of one
                 per_phase[phase] = {d: (t[(self._new, d)] - t[(1, d)]) / (self._new - 1) for d in self._layers}
                 if not phase.startswith("decode_hf"):
@@ -245,13 +247,6 @@ class BlockCosts:
             slope = (at[hi] - at[lo]) / (hi - lo)
             out[phase] = (max(0.0, slope), max(0.0, at[lo] - lo * slope))
         return out
-
-
-def quiet(samples: list) -> float:
-    """The lower quartile of ``samples`` (linear between the nearest, as ``numpy.quantile``'s
-    default; 5 rounds: the second least): the time between a shared host's slow spells, which
-    only add time, less swayed by one lucky round than the least."""
-    return float(statistics.quantiles(samples, n=4, method="inclusive")[0]) if len(samples) > 1 else float(samples[0])
 
 
 def _forward(model, ids):

@@ -13,7 +13,7 @@ import torch
 
 from tensorpar import distributed as dist
 from tensorpar.bench import calibrate
-from tensorpar.bench.calibrate_costs import _models, _sampler, quiet
+from tensorpar.bench.calibrate_costs import _models, _sampler
 from tensorpar.models.generation import generate
 from tensorpar.planner.profile import Profile
 
@@ -117,7 +117,7 @@ class HostSpeed:
 
     def note_dispatch(self, seconds: float) -> None:
         """Judge the dispatch probe's reading: from the ``DISPATCH_AFTER``-th on, ``dispatch`` is
-        it over the lower quartile (:func:`~tensorpar.bench.calibrate_costs.quiet`) of ``readings``
+        it over the lower quartile (:func:`lower_quartile`) of ``readings``
         and it; ``readings`` keeps it unless that is over ``DISPATCH_CEIL`` (the first ones
         always), so that the polls of a long wait do not teach the reference the spell they wait
         out."""
@@ -125,7 +125,7 @@ class HostSpeed:
             self.readings.append(seconds)
             self.dispatch = None
             return
-        self.dispatch = seconds / quiet(self.readings + [seconds])
+        self.dispatch = seconds / lower_quartile(self.readings + [seconds])
         if self.dispatch <= DISPATCH_CEIL:
             self.readings.append(seconds)
 
@@ -145,6 +145,12 @@ class HostSpeed:
             self.budget_s -= SETTLE_POLL_S
             speed = self()
         return speed, waited
+
+
+def lower_quartile(samples: list) -> float:
+    """Linear between the nearest, as ``numpy.quantile``'s default (5 samples: the second least):
+    a reference less swayed by one fast reading than the least."""
+    return float(statistics.quantiles(samples, n=4, method="inclusive")[0]) if len(samples) > 1 else float(samples[0])
 
 
 def spell_note(rows: list) -> str | None:

@@ -15,7 +15,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", metavar="FILE", default="bench/out/profile.json",
                    help="where to write the profile (JSON; default bench/out/profile.json)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and payloads (a smoke run, a few seconds)")
-    p.add_argument("--repeats", type=int, default=5, help="samples per figure (default 5): a rate's and a collective's median kept, a fixed cost's lower quartile")
+    p.add_argument("--repeats", type=int, default=5, help="samples per figure (default 5): a rate's and a collective's median kept, a fixed cost's least")
     p.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     p.set_defaults(func=main)
 
@@ -50,7 +50,7 @@ def summary(profile) -> str:
     if profile.optimizer_s_per_param:
         lines.append(f"- an optimizer step (clipping, AdamW): {profile.optimizer_s_per_param * 1e9:.2f} ns per parameter")
     if windows := profile.measured.get("by_window"):
-        lines.append("- by window (start, middle, end; the profile keeps the rates' median, the fixed costs' lower quartile "
+        lines.append("- by window (start, middle, end; the profile keeps the rates' median, the fixed costs' least "
                      "over every round, and alpha from more moments): " + "; ".join(
             f"{name} " + " / ".join(f"{w[part][key] * scale:.{digits}f}" if key in w.get(part, {}) else "-" for w in windows)
             + unit for name, part, key, scale, digits, unit in (
