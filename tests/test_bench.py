@@ -689,3 +689,26 @@ def test_a_block_cost_is_the_least_of_its_rounds():
     # least 1.5 and 6.6: a block 1.02, the step 0.48 (each round's slope: 2.0, 1.94, 1.02, 0.7, 1.82, the
     # least 0.7; the lower quartiles, 2.9 and 6.7, put the block at 0.76; the medians, 3.0 and 12.0, at 1.8)
     assert block == pytest.approx(1.02) and step == pytest.approx(0.48)
+
+
+def test_bench_json_carries_the_slow_spell_warning(tmp_path, monkeypatch, capsys):
+    """``tensorpar bench --json``: a run whose probes flag its profile (a calibration in a slow
+    spell) carries the warning in its JSON, not only on stderr; a sound run an empty ``warnings``.
+    Catches: the warning printed and dropped from the JSON."""
+    import json
+
+    from tensorpar.bench import estimates
+    from tensorpar.cli import main
+    from tensorpar.planner.profile import published
+
+    def rows(speed):
+        return [{"case": "tp2", "layout": "tp2", "measured_s": 1.0, "estimate_s": 1.0, "measured_vs_estimate": 1.0,
+                 "within_target": True, "speeds": [speed] * 3, "host_speed": speed,
+                 "at_profile_speed_vs_estimate": speed, "dominant": "gemm_s"}]
+    for speed, flagged in ((1.2, True), (1.0, False)):
+        monkeypatch.setattr(estimates, "run_estimates_bench", lambda *a, speed=speed, **k: (rows(speed), published("h100-sxm")))
+        assert main(["bench", "--suite", "estimates", "--json", "--out", str(tmp_path / "out"),
+                     "--profile", str(tmp_path / f"p{speed}.json")]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["results"]["estimates"][0]["case"] == "tp2"
+        assert ("calibrate again" in out["warnings"].get("estimates", "")) == flagged, out["warnings"]

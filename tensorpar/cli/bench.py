@@ -48,9 +48,9 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with Phases(quiet=args.json) as phase:
-        results, tables, files = _run(args, suites, out, phase)
+        results, tables, files, warnings = _run(args, suites, out, phase)
     if args.json:
-        print(json.dumps({"results": results, "files": [str(f) for f in files]}, default=float))
+        print(json.dumps({"results": results, "files": [str(f) for f in files], "warnings": warnings}, default=float))
         return 0
     for name, table in tables.items():
         print(f"\n## {name}\n\n{table}")
@@ -59,7 +59,9 @@ def main(args) -> int:
 
 
 def _run(args, suites, out, phase):
-    results, tables, files = {}, {}, []
+    """Each suite chosen: ``(results, tables, files, warnings)``, ``warnings`` by suite (also on
+    stderr and the suite's page)."""
+    results, tables, files, warnings = {}, {}, [], {}
     if "mlp" in suites:
         from tensorpar.bench.mlp import DEFAULT_SIZES, run_mlp_bench
 
@@ -138,12 +140,13 @@ def _run(args, suites, out, phase):
         results["estimates"], tables["estimates"] = rows, estimates_table(rows)
         if note := spell_note(rows):
             print(f"warning: {note}", file=sys.stderr)
+            warnings["estimates"] = note
         (out / "estimates.md").write_text(f"`{_command('estimates', args)}`, profile: {profile.name} "
                                           f"({profile.measured.get('at', '')})\n\n"
                                           + (f"Warning: {note}.\n\n" if note else "") + tables["estimates"])
         files.append(out / "estimates.md")
     files.append(summary.write_json(results, out / "results.json"))
-    return results, tables, files
+    return results, tables, files, warnings
 
 
 def _command(suite: str, args) -> str:
