@@ -375,7 +375,8 @@ def test_calibrate_fits_recover_known_figures():
     element a rank takes a faster path) and beta from the large. Catches: the 8 B point in the
     median (alpha 0.95 ms), a mean, a fit through every size, no fallback to the smaller
     payloads where none is from 64 B."""
-    from tensorpar.bench.calibrate import fit_gemm, fit_link
+    from tensorpar.bench.calibrate import fit_gemm
+    from tensorpar.bench.calibrate_links import fit_link
 
     c, rate, bw = 5e-6, 50e9, 10e9
     points = [[m, n, k, c + 2 * m * n * k / rate + 4 * (m * k + k * n + m * n) / bw]
@@ -400,7 +401,7 @@ def test_calibrate_keeps_the_slowest_ranks_latency_samples():
     """The all-reduce's extra samples (``LatencySamples``), per transport and group size, each the
     slowest member's; a group a rank is outside of leaves it none. Catches: the fastest rank's,
     one rank's only, samples of different moments mixed."""
-    from tensorpar.bench.calibrate import _latency_of
+    from tensorpar.bench.calibrate_links import _latency_of
 
     r0 = {"latency": {"gloo": {2: [(64, 1e-3), (512, 3e-3)], 3: [(64, 2e-3)]}}}
     r1 = {"latency": {"gloo": {2: [(64, 2e-3), (512, 1e-3)], 3: [(64, 1e-3)]}}}

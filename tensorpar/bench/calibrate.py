@@ -30,13 +30,15 @@ windows of a few seconds).
   spread over the same three windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
-  ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`fit_link`), the
+  ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`~tensorpar.bench.calibrate_links.fit_link`), the
   fit's errors reported; the all-reduce's small payloads also after each kind's rounds of the
-  fixed costs, 12 moments more, most of its ``alpha``'s median (:class:`LatencySamples`);
+  fixed costs, 12 moments more, most of its ``alpha``'s median
+  (:class:`~tensorpar.bench.calibrate_links.LatencySamples`);
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
   the work before it.
 
-The fixed costs, the optimizer and the wait are measured in :mod:`tensorpar.bench.calibrate_costs`.
+The fixed costs, the optimizer and the wait are measured in :mod:`tensorpar.bench.calibrate_costs`,
+the collectives in :mod:`tensorpar.bench.calibrate_links`.
 """
 from __future__ import annotations
 
@@ -52,8 +54,9 @@ import torch.nn.functional as F
 from tensorpar import distributed as dist
 from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK_OPTIMIZER, WAIT_M, _median_time,
                                              BlockCosts, ColdCaches, collective_wait, optimizer_rate, wait_points)
+from tensorpar.bench.calibrate_links import (PAYLOADS, LatencySamples, _latency_of, _links_by, fit_link, link_groups,
+                                             link_points)
 from tensorpar.bench.timing import spread
-from tensorpar.distributed.probe import OPS, time_collective
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
 
@@ -66,15 +69,6 @@ NK_SIZES = ((128, 128), (128, 512), (256, 512), (512, 256), (512, 512), (768, 51
             (512, 1408), (1024, 1024), (4096, 512))
 # float64's on the host (exactness runs, seldom timed); on a GPU every dtype takes the whole grid
 OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
-PAYLOADS = tuple(8 * 8 ** k for k in range(8))  # 8 B ... 16 MiB
-SMALL, LARGE = 4096, 256 << 10  # the latency regime (at most), the bandwidth regime (at least)
-# The latency regime's least payload: 8 B is one float32 a rank at p = 2, which gloo's all-reduce
-# ran 2-3x faster than any other payload (0.33-0.83 ms against 1.0-2.1 ms for 64 B to 4 KiB, in
-# every calibration of 2026-12-05, ~25 of them; 4-8 B 0.33-0.35 ms and 16 B-4 KiB 0.8-1.4 ms in
-# one interleaved sweep), a path no layer's collective takes (a hidden vector is hundreds of
-# elements); its median with three slower points put the decode over gloo at up to 1.2-1.3x its
-# estimate.
-LEAST = 64
 # The later windows' samples per point: the first window's 5 and their 3 and 3, 11 in all, each
 # point the median of the windows' medians (calibrate in about 42 s, not 50).
 LATER_REPEATS = 3
@@ -126,30 +120,6 @@ def _nonneg_lstsq(cols: np.ndarray, t: np.ndarray) -> np.ndarray:
         keep.pop(int(np.argmin(sol)))
 
 
-def fit_link(points: list, latency=()) -> dict:
-    """``[(payload_bytes, seconds)]`` -> ``{"alpha_s", "beta_s_per_byte", "fit"}``: the latency
-    ``alpha`` is the median time of the small payloads (``LEAST`` to ``SMALL`` bytes: there the
-    bytes cost nothing, and a transport's latency is often bimodal, which a straight line through
-    every size would average away; below ``LEAST``, a payload of an element or two a rank, gloo
-    takes a faster path than any layer's collective), with ``latency``'s samples of them where
-    given (:class:`LatencySamples`: the same payloads at more moments), ``beta`` the median of
-    ``(t - alpha) / n`` over the large ones (at least ``LARGE`` bytes); the fit's errors are over
-    every point."""
-    more = [s for n, s in latency if LEAST <= n <= SMALL]
-    small = ([s for n, s in points if LEAST <= n <= SMALL] + more or [s for n, s in points if n <= SMALL]
-             or [min(s for _, s in points)])
-    alpha = float(statistics.median(small))
-    large = [(s - alpha) / n for n, s in points if n >= LARGE and s > alpha]
-    beta = float(statistics.median(large)) if large else 0.0
-    t = np.array([s for _, s in points])
-    pred = np.array([alpha + beta * n for n, _ in points])
-    err = np.abs(pred - t) / t
-    return {"alpha_s": alpha, "beta_s_per_byte": beta,
-            "fit": {"median_rel_err": float(np.median(err)), "max_rel_err": float(err.max()),
-                    "points": [[int(n), float(s)] for n, s in points],
-                    **({"latency": [[int(n), float(s)] for n, s in latency]} if latency else {})}}
-
-
 def memory_rate(repeats: int, device="cpu") -> float:
     a = torch.ones(8 << 20, device=device)  # 32 MiB
     b, c = torch.empty_like(a), torch.empty_like(a)
@@ -158,59 +128,8 @@ def memory_rate(repeats: int, device="cpu") -> float:
     return statistics.median([copy, add])
 
 
-# ---- collectives ----------------------------------------------------------------------------------
-
-def link_groups(world: int, device="cpu") -> dict:
-    """``{transport: {p: group of the first p ranks}}``: shared memory and gloo on the host; NCCL
-    (the world's backend) on a GPU. Made once, every rank calling (a communicator holds memory)."""
-    return {transport: {p: dist.new_group(list(range(p)), backend=None if transport == "nccl" else transport)
-                        for p in range(2, world + 1)}
-            for transport in (("nccl",) if torch.device(device).type == "cuda" else ("shm", "gloo"))}
-
-
-def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
-    """``{transport: {op: {p: [(payload, seconds)]}}}`` over :func:`link_groups`' groups, the
-    tensors on ``device``; a rank outside a group skips it."""
-    out = {}
-    for transport, by_size in groups.items():
-        out[transport] = {op: {} for op in OPS}
-        for p, group in by_size.items():
-            if dist.get_rank() >= p:
-                continue
-            for op in OPS:
-                out[transport][op][p] = [(n, time_collective(op, n, group, list(range(p)), repeats=repeats,
-                                                             device=device)) for n in payloads]
-    return out
-
-
-class LatencySamples:
-    """The all-reduce's small payloads (``LEAST`` to ``SMALL``: 64 B, 512 B and 4 KiB) timed at
-    more moments than the three windows' grids: :meth:`take` once after each kind's rounds of the
-    fixed costs, 12 moments in a full calibration (4 kinds in 3 windows; 4 in a quick one), a
-    sample 32 back-to-back calls (~50 ms over gloo), kept per transport and group size for
-    :func:`fit_link`'s ``alpha``: 36 samples beside the grid's 3 points, so they make most of its
-    median (``by_window``'s alpha is each window's grid alone). Gloo's latency over
-    loopback jumps between 0.8 and 2.1 ms within seconds: the windows' grids, three moments of
-    about a second each, put its ``alpha`` at 1.25-1.92 ms across the calibrations of 2026-12-05
-    while the bench's decode over gloo paid a steadier 1.27-1.74 ms a call over its minutes, and
-    five of 24 runs had that case at 0.76-0.82 of its estimate. The all-reduce only: every
-    tensor-parallel layer pays it; the other operations' ``alpha`` keep the windows' grids."""
-
-    PAYLOADS = (64, 512, 4096)
-
-    def __init__(self, groups: dict, device="cpu"):
-        self.groups, self.device = groups, device
-        self.samples = {tr: {p: [] for p in by_size} for tr, by_size in groups.items()}
-
-    def take(self) -> None:
-        for tr, by_size in self.groups.items():
-            for p, group in by_size.items():
-                if dist.get_rank() < p:
-                    self.samples[tr][p] += [(n, time_collective("all_reduce", n, group, list(range(p)), repeats=1,
-                                                                device=self.device)) for n in self.PAYLOADS]
-
-
 # ---- the job --------------------------------------------------------------------------------------
+
 
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
                      quick: bool = False) -> list:
@@ -322,14 +241,6 @@ def _median_of_passes(passes: list) -> dict:
             "links": _links_by([p["links"] for p in passes], statistics.median)}
 
 
-def _links_by(tables: list, reduce) -> dict:
-    """One ``{transport: {op: {p: [(payload, seconds)]}}}`` from several (passes, or ranks), each
-    point's seconds ``reduce``-d over the tables that hold its group size."""
-    return {tr: {op: {p: [(n, reduce([t[tr][op][p][i][1] for t in tables if p in t[tr][op]]))
-                          for i, (n, _) in enumerate(pts)] for p, pts in by_size.items()}
-                 for op, by_size in ops.items()} for tr, ops in tables[0].items()}
-
-
 def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:
     """The profile of one launch's measurements (the same on every rank)."""
     return build_profile(_slowest(per_rank), ranks=ranks, cores=os.cpu_count() or 1, seconds=seconds, quick=quick)
@@ -349,17 +260,6 @@ def _slowest(per_rank: list) -> dict:
             "by_window": _max_over([r["by_window"] for r in per_rank]) if "by_window" in first else None,
             "latency": _latency_of(per_rank),
             "seconds_by_part": first.get("seconds_by_part")}
-
-
-def _latency_of(per_rank: list) -> dict:
-    """:class:`LatencySamples`' samples, each the slowest member's (a rank outside a group has none)."""
-    out = {}
-    for tr, by_size in (per_rank[0].get("latency") or {}).items():
-        out[tr] = {}
-        for p in by_size:
-            mine = [r["latency"][tr][p] for r in per_rank if r["latency"][tr][p]]
-            out[tr][p] = [(pt[0], max(m[i][1] for m in mine)) for i, pt in enumerate(mine[0])] if mine else []
-    return out
 
 
 def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profile:
