@@ -372,9 +372,11 @@ def test_the_wait_at_a_collective_is_what_calibrate_measured_less_its_latency():
 def test_calibrate_fits_recover_known_figures():
     """The GEMM fit recovers the three figures that made its points; the link fit takes alpha
     from the small payloads (a bimodal latency: the median) from 64 B (gloo's all-reduce of one
-    element a rank takes a faster path) and beta from the large. Catches: the 8 B point in the
-    median (alpha 0.95 ms), a mean, a fit through every size, no fallback to the smaller
-    payloads where none is from 64 B."""
+    element a rank takes a faster path) and beta from the large; with latency samples, the mean of
+    the grid's and the samples' medians. Catches: the 8 B point in the median (alpha 0.95 ms), a
+    mean, a fit through every size, no fallback to the smaller payloads where none is from 64 B;
+    the samples pooled with the grid's points (1.2 ms), the samples alone (1.1), the 8 B or
+    large samples kept, the contexts' means."""
     from tensorpar.bench.calibrate import fit_gemm
     from tensorpar.bench.calibrate_links import fit_link
 
@@ -389,11 +391,12 @@ def test_calibrate_fits_recover_known_figures():
     fit = fit_link(pts)
     assert fit["alpha_s"] == pytest.approx(1.4e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
     assert fit_link([(8, 1e-3), (32, 2e-3), (1 << 20, 5e-3)])["alpha_s"] == pytest.approx(1.5e-3)  # none from 64 B
-    # more moments of the small payloads join the grid's in the median (8 B and large ones do not):
-    # 0.5, 1.0, 1.1, 1.2, 1.4, 1.5 ms
-    more = [(64, 1.0e-3), (4096, 1.1e-3), (512, 1.2e-3), (8, 1e-5), (1 << 20, 1.0)]
+    # the samples after the fixed costs' rounds are the other context: alpha is the mean of the
+    # grid's median (1.4 ms) and theirs (1.1 ms: 8 B and large payloads are not among them; with
+    # either, 1.0 or 1.2), each context weighing alike (pooled in one median: 1.2 ms)
+    more = [(64, 1.0e-3), (4096, 1.0e-3), (512, 1.2e-3), (64, 1.2e-3), (8, 1e-5), (8, 1e-5), (1 << 20, 1.0)]
     fit = fit_link(pts, more)
-    assert fit["alpha_s"] == pytest.approx(1.15e-3) and fit["fit"]["latency"] == [[n, s] for n, s in more]
+    assert fit["alpha_s"] == pytest.approx(1.25e-3) and fit["fit"]["latency"] == [[n, s] for n, s in more]
     assert "latency" not in fit_link(pts)["fit"]
 
 

@@ -32,7 +32,7 @@ windows of a few seconds).
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`~tensorpar.bench.calibrate_links.fit_link`), the
   fit's errors reported; the all-reduce's small payloads also after each kind's rounds of the
-  fixed costs, 12 moments more, most of its ``alpha``'s median
+  fixed costs, 12 moments more, and ``alpha`` the mean of the two contexts' medians
   (:class:`~tensorpar.bench.calibrate_links.LatencySamples`);
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
   the work before it.
