@@ -181,7 +181,9 @@ def train_and_pipeline_rows(tmp_path_factory):
     q, p, e = train.QUICK, pipeline.QUICK, estimates.QUICK
     return dist.launch(W.train_and_pipeline_worker, 2, str(path), str(tmp / "checkpoints"),
                        (3, q["batch"], q["seq"], q["saves"]), (3, p["batch"], p["seq"], pipeline.MICROBATCHES),
-                       (3, e["batch"], e["seq"], e["new"], None, calibrate.QUICK), backend="auto", timeout=600)[0]
+                       # spell 0: the check after the windows always finds a spell, so its window is measured too
+                       (3, e["batch"], e["seq"], e["new"], None, dict(calibrate.QUICK, spell=(0.0, 0.0))), backend="auto",
+                       timeout=600)[0]
 
 
 @pytest.mark.multirank
@@ -302,8 +304,17 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     profile = from_dict(out["profile"])
     assert set(PHASES) <= set(profile.block_call_s) and profile.measured["ranks"] == 2
     assert set(profile.links) == {"shm", "gloo"} and all(set(link.ops) == set(OPS) for link in profile.links.values())
-    # the all-reduce's small payloads at more moments (after each kind's rounds: 2 kinds x 2 windows)
-    assert all(len(link.ops["all_reduce"]["2"]["fit"]["latency"]) == 4 * 3 for link in profile.links.values())
+    # the all-reduce's small payloads at more moments (after each kind's rounds: 2 kinds x 3 windows,
+    # the check's one among them)
+    assert all(len(link.ops["all_reduce"]["2"]["fit"]["latency"]) == 6 * 3 for link in profile.links.values())
+    # the check after the windows: the dispatch probe after each of the two windows, three readings
+    # of both probes, and (at spell 0) one more window: its GEMM pass and rounds in by_window
+    check = profile.measured["check"]
+    assert check["again"] and len(check["windows_dispatch_s"]) == 2 and len(check["speeds"]) == 3
+    assert all(0 < t < 1 for t in check["dispatch_s"] + check["windows_dispatch_s"])
+    assert 0.05 < check["gemm_speed"] < 20 and 0.05 < check["dispatch_speed"] < 20
+    windows = profile.measured["by_window"]
+    assert len(windows) == 3 and "gemm_s" in windows[2] and "block_s" in windows[2] and "gemm_s" not in windows[1]
     assert all(g.rate_flops > 0 and "median_rel_err" in g.fit for g in profile.gemm.values())
     rows = out["rows"]
     assert [r["case"] for r in rows] == ["tp2", "dp2_ddp", "dp2_fsdp", "pp2", "decode_b1", "decode_b8", "decode_hf_b1",
@@ -468,10 +479,10 @@ def test_calibrate_keeps_each_windows_own_figures_beside_the_medians():
                       "decode": {(1, 1): [1.0] * 5, (17, 1): [2.6] * 5, (1, 6): [2.0] * 5,
                                  (17, 6): [2.0 + 16 * (0.1 + 0.2 * f) for f in slow]}}
 
-    def one_pass(gloo):
+    def one_pass(gloo, window):
         return {"links": {"gloo": {"all_reduce": {2: [(8, 1e-4), (64, gloo), (512, gloo), (4096, gloo)]}}},
-                "gemm": {"fp32": [[1, 512, 512, 1e-4], [64, 512, 512, 1e-3], [1, 128, 128, 1e-5]]}}
-    out = _by_window([one_pass(1e-3), one_pass(2e-3), one_pass(1.5e-3)], split, [2, 2, 1])
+                "gemm": {"fp32": [[1, 512, 512, 1e-4], [64, 512, 512, 1e-3], [1, 128, 128, 1e-5]]}, "window": window}
+    out = _by_window([one_pass(1e-3, 0), one_pass(2e-3, 1), one_pass(1.5e-3, 2)], split, [2, 2, 1])
     assert [w["block_s"]["train"] for w in out] == pytest.approx([0.1, 0.3, 0.1])
     assert [w["block_s"]["decode"] for w in out] == pytest.approx([0.04, 0.12, 0.04])
     assert [w["alpha_s"]["gloo"] for w in out] == pytest.approx([1e-3, 2e-3, 1.5e-3])
@@ -482,6 +493,9 @@ def test_calibrate_keeps_each_windows_own_figures_beside_the_medians():
                                    optimizer_s_per_param=None, block_call_s={}, step_call_s={}, links={},
                                    collective_wait={}))
     assert "decode block 40000 / 120000 / 40000 us; train block 100000 / 300000 / 100000 us; gloo alpha 1.00 / 2.00 / 1.50 ms" in text
+    # a quick run's second window has no pass; the window a spell adds has one
+    out = _by_window([one_pass(1e-3, 0), one_pass(2e-3, 2)], split, [2, 2, 1])
+    assert [w.get("alpha_s", {}).get("gloo") for w in out] == [1e-3, None, 2e-3] and "gemm_s" not in out[1]
 
 
 def test_the_fixed_costs_model_reads_past_the_caches_before_each_norm_and_takes_the_reads_out(monkeypatch):
@@ -672,6 +686,29 @@ def test_the_estimates_bench_waits_while_its_dispatch_probe_reads_slow(monkeypat
     before("decode_b1/n")
     assert waited == {"decode_b1/1": 2.0, "decode_b1/n": 0.0} and probe.slowdowns == {"decode_b1/1": [1.0], "decode_b1/n": [None]}
     assert E.slowdowns(probe, "decode_b1/1") == [1.0] and E.slowdowns(probe, "decode_b1/1", "decode_b1/n") == []
+
+
+def test_calibrates_check_reads_the_probes_after_its_windows(monkeypatch):
+    """After its windows calibrate reads both probes three times a second apart: the GEMMs' median
+    speed, and the dispatch probe's median seconds during the windows over its median now (> 1:
+    faster now, the windows met a slow spell). Catches: a mean (1.07, not 1.1), one reading, the
+    dispatch ratio upside down (0.9), no pause between readings, the windows' own readings left out."""
+    from tensorpar.bench import host_speed as E
+
+    slept = []
+    monkeypatch.setattr(E.time, "sleep", slept.append)
+    feed = iter([(1.2, 1.0), (0.9, 0.8), (1.1, 0.9)])  # (GEMMs' speed, dispatch seconds) each reading
+
+    class Probes(E.HostSpeed):
+        def __call__(self):
+            speed, self.dispatch_s = next(feed)
+            return speed
+
+    monkeypatch.setattr(E, "HostSpeed", Probes)
+    check = E.calibration_check([], [1.0, 1.0, 0.95], probe=None)
+    assert check["gemm_speed"] == pytest.approx(1.1) and check["dispatch_speed"] == pytest.approx(1.0 / 0.9)
+    assert check["speeds"] == [1.2, 0.9, 1.1] and check["dispatch_s"] == [1.0, 0.8, 0.9]
+    assert check["windows_dispatch_s"] == [1.0, 1.0, 0.95] and slept == [E.CHECK_PAUSE_S] * 2
 
 
 def test_a_block_cost_is_the_least_of_its_rounds():

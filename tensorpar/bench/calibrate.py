@@ -35,7 +35,10 @@ windows of a few seconds).
   fixed costs, 12 moments more, and ``alpha`` the mean of the two contexts' medians
   (:class:`~tensorpar.bench.calibrate_links.LatencySamples`);
 - **the wait at a collective for the slower rank**, over shared memory and gloo, by the length of
-  the work before it.
+  the work before it;
+- **a check after the windows** (on the host): the estimates bench's probes, read right after;
+  where the host runs faster than during the windows, they met a slow spell and one more window
+  is measured (:func:`calibrate_worker`).
 
 The fixed costs, the optimizer and the wait are measured in :mod:`tensorpar.bench.calibrate_costs`,
 the collectives in :mod:`tensorpar.bench.calibrate_links`.
@@ -56,6 +59,7 @@ from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK
                                              BlockCosts, ColdCaches, collective_wait, optimizer_rate, wait_points)
 from tensorpar.bench.calibrate_links import (PAYLOADS, LatencySamples, _latency_of, _links_by, fit_link, link_groups,
                                              link_points)
+from tensorpar.bench.host_speed import DISPATCH_CEIL, PROFILE_SLOW, DispatchProbe, calibration_check
 from tensorpar.bench.timing import spread
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
@@ -72,6 +76,7 @@ OTHER_NK = ((128, 128), (512, 512), (1408, 512), (512, 1408), (1024, 1024))
 # The later windows' samples per point: the first window's 5 and their 3 and 3, 11 in all, each
 # point the median of the windows' medians (calibrate in about 42 s, not 50).
 LATER_REPEATS = 3
+AGAIN_ROUNDS = 2  # the rounds of the fixed costs in the window a slow spell adds (calibrate_worker)
 QUICK = dict(m_sizes=(1, 64), nk_sizes=((128, 128), (512, 512)), payloads=(8, 64, 4096, 1 << 20), repeats=3, new=5,
              quick=True)
 
@@ -132,14 +137,21 @@ def memory_rate(repeats: int, device="cpu") -> float:
 
 
 def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats: int = 5, new: int = 17,
-                     quick: bool = False) -> list:
+                     quick: bool = False, spell: tuple = (PROFILE_SLOW, DISPATCH_CEIL)) -> list:
     """Every rank's measurements (each rank gets all of them): in each of three windows the rates
     and collectives (:func:`_rates`) then rounds of the fixed costs
     (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`), the wait at a collective before the
     last; each rate the median of the windows', each fixed cost the least over every round. ``quick``: the
     fixed costs of the split and unsplit models only, at batch 1, over 1 and 2 blocks, short
     samples, in two windows, the rates in the first only, the wait at two lengths of work (a
-    smoke run)."""
+    smoke run).
+
+    On the host, then, a check (:func:`~tensorpar.bench.host_speed.calibration_check`): where the
+    host probes as fast as ``spell`` times its speed during the windows or more (its GEMMs, its
+    dispatch probe: the bench's ``PROFILE_SLOW`` and ``DISPATCH_CEIL``, the second noisier: one quiet
+    calibration's dispatch readings spread 0.52-0.85 ms), the windows met a slow spell, and one more window (the float32 rates, ``AGAIN_ROUNDS``
+    rounds of the fixed costs) joins them: each rate the median over four windows, each fixed cost
+    the least over every round, which a round outside the spell sets."""
     torch.set_num_threads(1)
     device = dist.rank_device()  # its GPU under NCCL, else the host
     t0 = time.perf_counter()
@@ -150,17 +162,18 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     grid = dict(m_sizes=m_sizes, nk_sizes=nk_sizes, payloads=payloads, device=device,
                 groups=link_groups(dist.get_world_size(), device),
                 optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
-    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0}, [], {}, {}
+    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0, "check": 0.0}, [], {}, {}
     latency = LatencySamples(grid["groups"], device)
-    windows = spread(repeats, 2 if quick else 3)
-    for i, rounds in enumerate(windows):
+    probe = DispatchProbe(device) if device.type == "cpu" else None  # a GPU's host queues kernels: no check
+    dispatch = []
+
+    def window(i: int, rounds: int, rates: dict, rate_repeats: int, wait: bool) -> None:
         t = time.perf_counter()
-        if i == 0 or not quick:  # the other dtypes once: fp64 on a host, bf16 on a GPU
-            passes.append(_rates({k: dtypes[k] for k in (dtypes if i == 0 else list(dtypes)[:1])},
-                                 **grid, repeats=repeats if i == 0 else min(repeats, LATER_REPEATS)))
+        if rates:
+            passes.append({**_rates(rates, **grid, repeats=rate_repeats), "window": i})
         took["rates"] += time.perf_counter() - t
         t = time.perf_counter()
-        if i == len(windows) - 1 and device.type == "cpu":  # a GPU's host queues kernels: its wait shows elsewhere
+        if wait:
             mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
                             for tr in ("shm", "gloo")}
         took["wait"] += time.perf_counter() - t
@@ -172,6 +185,28 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
             costs.rounds(rounds)
             latency.take()
         took["blocks"] += time.perf_counter() - t
+        if probe is not None:
+            dispatch.append(probe())
+
+    windows = spread(repeats, 2 if quick else 3)
+    first = list(dtypes)[:1]  # the other dtypes once: fp64 on a host, bf16 on a GPU
+    for i, rounds in enumerate(windows):
+        window(i, rounds, {k: dtypes[k] for k in (dtypes if i == 0 else first)} if i == 0 or not quick else {},
+               repeats if i == 0 else min(repeats, LATER_REPEATS), wait=i == len(windows) - 1 and device.type == "cpu")
+    if probe is not None:
+        t = time.perf_counter()
+        points = _median_of_passes(passes)["gemm"][first[0]]
+        slowest = torch.tensor([p[3] for p in points], dtype=torch.float64)
+        dist.all_reduce(slowest, op="max")  # the profile's points are the slowest rank's
+        check = calibration_check([[*p[:3], t_] for p, t_ in zip(points, slowest.tolist())], dispatch, probe)
+        again = torch.tensor([float(check["gemm_speed"] >= spell[0] or check["dispatch_speed"] >= spell[1])])
+        dist.broadcast(again, 0)  # one decision: the window is collective
+        mine["check"] = {**check, "again": bool(again.item())}
+        took["check"] += time.perf_counter() - t
+        if mine["check"]["again"]:
+            windows = [*windows, AGAIN_ROUNDS]
+            window(len(windows) - 1, AGAIN_ROUNDS, {k: dtypes[k] for k in first}, min(repeats, LATER_REPEATS),
+                   wait=False)
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
                  "latency": latency.samples,
                  "by_window": _by_window(passes, blocks.get("split"), windows),
@@ -186,18 +221,18 @@ def _by_window(passes: list, split, windows: list) -> list:
     shows as one window, or every window, off the others): the split model's decode and training
     block costs over the window's rounds, each transport's all-reduce ``alpha`` at 2 ranks, and the
     float32 GEMM of the grid's largest weight at its least and most ``m`` (the estimates bench's
-    probe)."""
-    out, first = [], 0
+    probe), from the pass of the window (its ``window``; a quick run's later windows have none)."""
+    out, first, of = [], 0, {p["window"]: p for p in passes}
     for i, n in enumerate(windows):
         w = {}
         if split is not None and n:
             c = split.costs(range(first, first + n))
             w["block_s"] = {ph: c[ph][0] for ph in ("decode", "train") if ph in c}
         first += n
-        if i < len(passes):
-            w["alpha_s"] = {tr: fit_link(ops["all_reduce"][2])["alpha_s"] for tr, ops in passes[i]["links"].items()
+        if i in of:
+            w["alpha_s"] = {tr: fit_link(ops["all_reduce"][2])["alpha_s"] for tr, ops in of[i]["links"].items()
                             if 2 in ops["all_reduce"]}
-            pts = passes[i]["gemm"]["fp32"]
+            pts = of[i]["gemm"]["fp32"]
             nk = max({(n_, k) for _, n_, k, _ in pts}, key=lambda x: (x[0] * x[1], x))
             ms = sorted((p for p in pts if (p[1], p[2]) == nk), key=lambda p: p[0])
             w["gemm_s"] = {f"{p[0]}x{nk[0]}x{nk[1]}": p[3] for p in (ms[0], ms[-1])}
@@ -258,7 +293,7 @@ def _slowest(per_rank: list) -> dict:
             "optimizer": max(r["optimizer"] for r in per_rank) if "optimizer" in first else None,
             "wait": first.get("wait"), "device": first.get("device", "cpu"), "name": first.get("name", "cpu"),
             "by_window": _max_over([r["by_window"] for r in per_rank]) if "by_window" in first else None,
-            "latency": _latency_of(per_rank),
+            "latency": _latency_of(per_rank), "check": first.get("check"),
             "seconds_by_part": first.get("seconds_by_part")}
 
 
@@ -273,8 +308,10 @@ def calibrate(ranks: int = 2, *, quick: bool = False, repeats: int = 5) -> Profi
 
 
 def _args(kw: dict) -> tuple:
-    full = dict(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats=5, new=17, quick=False) | kw
-    return full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"], full["quick"]
+    full = dict(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repeats=5, new=17, quick=False,
+                spell=(PROFILE_SLOW, DISPATCH_CEIL)) | kw
+    return (full["m_sizes"], full["nk_sizes"], full["payloads"], full["repeats"], full["new"], full["quick"],
+            full["spell"])
 
 
 WIDTH = {"fp32": 4, "fp64": 8, "bf16": 2, "fp16": 2}
@@ -320,6 +357,6 @@ def build_profile(m: dict, *, ranks: int, cores: int, seconds: float, quick: boo
                    optimizer_s_per_param=m.get("optimizer"),
                    measured={"ranks": ranks, "threads_per_rank": 1, "cpu_count": cores, "quick": quick,
                              "seconds": round(seconds, 2), "seconds_by_part": m.get("seconds_by_part"),
-                             "by_window": m.get("by_window"),
+                             "by_window": m.get("by_window"), "check": m.get("check"),
                              "torch": torch.__version__,
                              "at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})

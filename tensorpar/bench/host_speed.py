@@ -12,8 +12,7 @@ import time
 import torch
 
 from tensorpar import distributed as dist
-from tensorpar.bench import calibrate
-from tensorpar.bench.calibrate_costs import _models, _sampler
+from tensorpar.bench.calibrate_costs import COLD_BYTES, _median_time, _models, _sampler
 from tensorpar.models.generation import generate
 from tensorpar.planner.profile import Profile
 
@@ -37,6 +36,13 @@ PROFILE_SLOW = 1.08
 # at batch 8 at 1.25x its estimate (2026-12-05). Its own readings, not calibrate's: the same probe
 # read 1.5x apart in calibrate's process and the bench's (0.55 against 0.37 ms, a quiet run).
 DISPATCH_CEIL, DISPATCH_AFTER = 1.25, 4
+# calibrate's own check after its windows (calibration_check): three readings of the probes a second
+# apart, their medians against the windows'; the GEMMs at PROFILE_SLOW or more, or the dispatch probe
+# at DISPATCH_CEIL or more, one more window (tensorpar.bench.calibrate). On 2026-12-05 two calibrations (of ~30) met a spell over most of their
+# windows (probe GEMMs 665-739 us against 553-620 quiet; the decode block's least 194 us against
+# 123-160) that ended by the bench's first probe (1.16-1.27x the profile): their decode at batch 1
+# came out at 0.75 and 0.77 of its estimate.
+CHECK_READINGS, CHECK_PAUSE_S = 3, 1.0
 
 
 class DispatchProbe:
@@ -71,7 +77,9 @@ class HostSpeed:
     profile's time over now's, the geometric mean of the two (> 1: faster than when calibrated).
     A shared machine's speed moves between a calibration and a run and within a run; this is
     measured before each sample, so that each sample can also be read at the profile's speed.
-    ``None`` where the profile has no measured points (a preset).
+    ``None`` where the profile has no measured points (a preset). ``profile`` may also be the
+    float32 GEMM points themselves (``[m, n, k, seconds]``: calibrate's own, for
+    :func:`calibration_check`); ``dispatch``, a :class:`DispatchProbe` already made.
 
     :meth:`settled` waits, before a sample, for a host in a slow spell to come back to its
     calibrated speed (the profile describes the machine as calibrated; a neighbour taking a
@@ -85,14 +93,17 @@ class HostSpeed:
     A :class:`DispatchProbe` goes with the GEMMs, for the spells a GEMM misses (Python and
     dispatch slowed, memory not): ``dispatch`` is its latest reading over the lower quartile of
     the run's readings that were not judged slow (:meth:`note_dispatch`; None for the first
-    ``DISPATCH_AFTER - 1``), and :meth:`settled` also waits while it reads over
-    ``DISPATCH_CEIL``."""
+    ``DISPATCH_AFTER - 1``; ``dispatch_s`` its latest seconds per call), and :meth:`settled`
+    also waits while it reads over ``DISPATCH_CEIL``."""
 
-    def __init__(self, profile: Profile, budget_s: float | None = None):
+    def __init__(self, profile: Profile | list, budget_s: float | None = None, dispatch: DispatchProbe | None = None):
         self.budget_s = SETTLE_BUDGET_S if budget_s is None else budget_s
-        points = {tuple(p[:3]): p[3] for p in profile.gemm_for("fp32").fit.get("points") or []}
+        if isinstance(profile, Profile):
+            profile = profile.gemm_for("fp32").fit.get("points") or []
+        points = {tuple(p[:3]): p[3] for p in profile}  # [m, n, k, seconds]: a profile's, or calibrate's own
         self.usable = bool(points)
-        self.dispatch, self.readings, self._dispatch = None, [], DispatchProbe() if self.usable else None
+        self._dispatch = (dispatch or DispatchProbe()) if self.usable else None
+        self.dispatch, self.dispatch_s, self.readings = None, None, []
         self.slowdowns: dict = {}  # {sample name: [dispatch before each]}: the rows' diagnostic
         self.shapes, self.ref, self.calls = [], [], []
         if self.usable:
@@ -101,7 +112,7 @@ class HostSpeed:
             self.shapes = [(ms[0], n, k), (ms[-1], n, k)]
             self.ref = [points[shape] for shape in self.shapes]
             for m, n, k in self.shapes:
-                copies = max(1, calibrate.COLD_BYTES // (n * k * 4))
+                copies = max(1, COLD_BYTES // (n * k * 4))
                 weights, x, turn = [torch.randn(n, k) for _ in range(copies)], torch.randn(m, k), iter(range(1 << 62))
                 self.calls.append(lambda w=weights, x=x, t=turn, c=copies: torch.nn.functional.linear(x, w[next(t) % c]))
 
@@ -109,10 +120,11 @@ class HostSpeed:
         if not self.usable:
             return None
         dist.barrier()
-        now = torch.tensor([calibrate._median_time(call, 1) for call in self.calls], dtype=torch.float64)
+        now = torch.tensor([_median_time(call, 1) for call in self.calls], dtype=torch.float64)
         dist.all_reduce(now, op="max")
         ratios = [ref / t for ref, t in zip(self.ref, now.tolist())]
-        self.note_dispatch(self._dispatch())
+        self.dispatch_s = self._dispatch()
+        self.note_dispatch(self.dispatch_s)
         return float(torch.tensor(ratios).log().mean().exp())
 
     def note_dispatch(self, seconds: float) -> None:
@@ -145,6 +157,28 @@ class HostSpeed:
             self.budget_s -= SETTLE_POLL_S
             speed = self()
         return speed, waited
+
+
+def calibration_check(points: list, windows_dispatch_s: list, probe: DispatchProbe, readings: int = CHECK_READINGS,
+                      pause_s: float = CHECK_PAUSE_S) -> dict:
+    """Whether calibrate's windows met a slow spell, read right after them: ``readings`` probes
+    ``pause_s`` apart (:class:`HostSpeed`'s: the two GEMMs against ``points``, calibrate's own
+    float32 points, each the slowest rank's; and ``probe``, the :class:`DispatchProbe` that read
+    ``windows_dispatch_s`` after each window's rounds of the fixed costs). ``{"gemm_speed",
+    "dispatch_speed", "speeds", "dispatch_s", "windows_dispatch_s"}``: the GEMMs' median speed
+    against the windows' and the dispatch probe's windows' median seconds over its median now
+    (> 1: the host runs faster now than while it was measured). Every rank gets the same figures
+    (each reading is the slowest rank's)."""
+    host = HostSpeed(points, budget_s=0.0, dispatch=probe)
+    speeds, seconds = [], []
+    for i in range(readings):
+        if i:
+            time.sleep(pause_s)
+        speeds.append(host())
+        seconds.append(host.dispatch_s)
+    return {"gemm_speed": statistics.median(speeds),
+            "dispatch_speed": statistics.median(windows_dispatch_s) / statistics.median(seconds),
+            "speeds": speeds, "dispatch_s": seconds, "windows_dispatch_s": list(windows_dispatch_s)}
 
 
 def lower_quartile(samples: list) -> float:

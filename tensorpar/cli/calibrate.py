@@ -57,6 +57,10 @@ def summary(profile) -> str:
                 ("decode block", "block_s", "decode", 1e6, 0, " us"), ("train block", "block_s", "train", 1e6, 0, " us"),
                 ("shm alpha", "alpha_s", "shm", 1e6, 0, " us"), ("gloo alpha", "alpha_s", "gloo", 1e3, 2, " ms"))
             if any(key in w.get(part, {}) for w in windows)))
+    if check := profile.measured.get("check"):
+        lines.append(f"- the check after the windows: the host ran {check['gemm_speed']:.2f}x (GEMMs) and "
+                     f"{check['dispatch_speed']:.2f}x (a block's dispatch) as fast as during them"
+                     + ("; a slow spell: one more window measured" if check.get("again") else ""))
     for phase, s in profile.block_call_s.items():
         lines.append(f"- a block's fixed cost, {phase}: {s * 1e6:.0f} us (per step: "
                      f"{profile.step_call_s.get(phase, 0.0) * 1e6:.0f} us)")
