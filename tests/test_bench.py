@@ -589,9 +589,10 @@ def test_a_run_that_finds_the_host_faster_than_its_profile_flags_the_calibration
 
 
 def test_the_estimates_page_flags_each_run_whose_profile_met_a_slow_spell():
-    """tools/estimates_page.py: the verdict over every run, each run's wait, and a line naming
-    the runs the bench flagged (and only those). Catches: the flag read from one run for all, the
-    flag dropped from the page, a flagged run counted as within target."""
+    """tools/estimates_page.py: the verdict over every run, each run's wait, a line naming
+    the runs the bench flagged (and only those), and each calibration's check. Catches: the flag
+    read from one run for all, the flag dropped from the page, a flagged run counted as within
+    target, the check's figures from another run."""
     import importlib.util
     from pathlib import Path
 
@@ -609,6 +610,11 @@ def test_the_estimates_page_flags_each_run_whose_profile_met_a_slow_spell():
     assert "Flagged by the bench: run 2: the host ran 1.12x as fast" in page and "run 1:" not in page.split("Flagged")[1]
     assert "run 1 2 s, run 2 2 s, run 3 2 s" in page
     assert "Flagged" not in tool.page([run(1.02, [1.0, 0.98, 1.01])])
+    assert "check after its windows" not in page  # profiles from before calibrate's check
+    checked = run(1.0, [1.0, 1.0, 1.0])
+    checked["profile"]["measured"]["check"] = {"gemm_speed": 1.12, "dispatch_speed": 0.97, "again": True}
+    assert ("check after its windows (the host's speed then against during them: GEMMs, dispatch): run 2 1.12 / 0.97 "
+            "(a slow spell: one more window).") in tool.page([run(1.0, [1.0, 1.0, 1.0]), checked])
 
 
 def test_the_estimates_bench_waits_for_a_host_in_a_slow_spell_within_its_bounds(monkeypatch):

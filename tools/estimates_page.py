@@ -94,6 +94,12 @@ def page(runs: list) -> str:
                   f"run's own; sleeping at most {SETTLE_WAIT_S:.0f} s a sample, "
                   f"{SETTLE_BUDGET_S:.0f} s a run; the speeds in brackets are the probes' after any wait): "
                   + ", ".join(f"run {i + 1} {w:.0f} s" for i, w in enumerate(waits)) + ".\n\n")
+    checks = [(i, c) for i, run in enumerate(runs) if (c := run["profile"].get("measured", {}).get("check"))]
+    if checks:  # profiles from before calibrate's check have none
+        waited += ("Each calibration's check after its windows (the host's speed then against during them: GEMMs, "
+                   "dispatch): " + ", ".join(
+                       f"run {i + 1} {c['gemm_speed']:.2f} / {c['dispatch_speed']:.2f}"
+                       + (" (a slow spell: one more window)" if c.get("again") else "") for i, c in checks) + ".\n\n")
     spells = [f"run {i + 1}: {note}" for i, run in enumerate(runs) if (note := spell_note(run["rows"]))]
     if spells:
         waited += "Flagged by the bench: " + "; ".join(spells) + ".\n\n"
