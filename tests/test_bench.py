@@ -311,6 +311,8 @@ def test_estimates_bench_puts_every_case_beside_its_estimate(train_and_pipeline_
     # of both probes, and (at spell 0) one more window: its GEMM pass and rounds in by_window
     check = profile.measured["check"]
     assert check["again"] and len(check["windows_dispatch_s"]) == 2 and len(check["speeds"]) == 3
+    assert check["kept_windows"] and set(check["kept_windows"]) <= {0, 2}  # the windows with a pass
+    assert 0 < check["again_dispatch_s"] < 1 and out["profile"]["measured"]["seconds_by_part"]["again"] > 0
     assert all(0 < t < 1 for t in check["dispatch_s"] + check["windows_dispatch_s"])
     assert 0.05 < check["gemm_speed"] < 20 and 0.05 < check["dispatch_speed"] < 20
     windows = profile.measured["by_window"]
@@ -402,6 +404,8 @@ def test_calibrate_fits_recover_known_figures():
     fit = fit_link(pts)
     assert fit["alpha_s"] == pytest.approx(1.4e-3) and fit["beta_s_per_byte"] == pytest.approx(1 / 2e9, rel=0.05)
     assert fit_link([(8, 1e-3), (32, 2e-3), (1 << 20, 5e-3)])["alpha_s"] == pytest.approx(1.5e-3)  # none from 64 B
+    # none from 64 B in the grid, but samples: theirs alone, not the 8 B fallback's
+    assert fit_link([(8, 1e-3), (32, 2e-3), (1 << 20, 5e-3)], [(64, 1.2e-3)])["alpha_s"] == pytest.approx(1.2e-3)
     # the samples after the fixed costs' rounds are the other context: alpha is the mean of the
     # grid's median (1.4 ms) and theirs (1.1 ms: 8 B and large payloads are not among them; with
     # either, 1.0 or 1.2), each context weighing alike (pooled in one median: 1.2 ms)
@@ -439,6 +443,30 @@ def test_calibrate_takes_each_point_as_the_median_of_its_passes():
     assert out["links"] == {"gloo": {"all_reduce": {2: [(8, 3.0), (4096, 30.0)]}}}
     assert out["gemm"] == {"fp32": [[1, 8, 8, 3.0]], "fp64": [[1, 8, 8, 6.0]]}  # fp64: its one pass
     assert out["memory"] == pytest.approx(1e10 / 3.0) and out["optimizer"] == 3.0
+
+
+def test_after_a_spell_calibrate_keeps_the_rates_of_the_windows_it_spared():
+    """Where the check found a spell, each rate is the median over the passes whose probe GEMMs
+    (the largest weight at its least and most m) took at most 1.08x the fastest pass's, their
+    geometric mean; a dtype only the first window measured keeps that pass. Catches: every pass
+    kept (the median of five: 1.06), the fastest alone (1.0), the least-m probe alone (it keeps
+    pass 2), the threshold from the slowest pass, fp64 lost with its pass."""
+    from tensorpar.bench.calibrate import _median_of_passes, spared
+
+    def one(f, g=None, fp64=False):  # probe GEMMs at f and g (default f) times quiet; other points at f
+        g = f if g is None else g
+        return {"gemm": {"fp32": [[1, 8, 8, f], [1, 64, 64, 10 * f], [16, 64, 64, 100 * g]],
+                         **({"fp64": [[1, 64, 64, 2.0]]} if fp64 else {})},
+                "memory": 1e10 / f, "optimizer": f, "links": {"gloo": {"all_reduce": {2: [(64, f)]}}}}
+    # the spell over the first three windows: 1.3x, 1.2x, and 1.02 / 1.25 (geometric mean 1.13); the last quiet
+    passes = [one(1.3, fp64=True), one(1.2), one(1.02, 1.25), one(1.0)]
+    assert spared(passes) == [3]
+    passes.append(one(1.06))  # 1.06x the fastest: spared too
+    assert spared(passes) == [3, 4]
+    out = _median_of_passes(passes, [passes[j] for j in spared(passes)])
+    assert out["gemm"]["fp32"][0][3] == pytest.approx(1.03) and out["memory"] == pytest.approx((1e10 + 1e10 / 1.06) / 2)
+    assert out["links"]["gloo"]["all_reduce"][2] == [(64, pytest.approx(1.03))]
+    assert out["gemm"]["fp64"] == [[1, 64, 64, 2.0]]  # its one pass, though the spell's
 
 
 def test_calibrate_spreads_the_fixed_costs_rounds_over_its_windows_and_takes_their_least():
@@ -493,6 +521,12 @@ def test_calibrate_keeps_each_windows_own_figures_beside_the_medians():
                                    optimizer_s_per_param=None, block_call_s={}, step_call_s={}, links={},
                                    collective_wait={}))
     assert "decode block 40000 / 120000 / 40000 us; train block 100000 / 300000 / 100000 us; gloo alpha 1.00 / 2.00 / 1.50 ms" in text
+    check = {"gemm_speed": 1.12, "dispatch_speed": 0.97, "again": True}
+    text = summary(SimpleNamespace(name="p", measured={"check": check}, gemm={}, memory_bytes_per_s=1e9,
+                                   optimizer_s_per_param=None, block_call_s={}, step_call_s={}, links={},
+                                   collective_wait={}))
+    assert ("the check after the windows: the host ran 1.12x (GEMMs) and 0.97x (a block's dispatch) as fast as "
+            "during them; a slow spell: one more window measured") in text
     # a quick run's second window has no pass; the window a spell adds has one
     out = _by_window([one_pass(1e-3, 0), one_pass(2e-3, 2)], split, [2, 2, 1])
     assert [w.get("alpha_s", {}).get("gloo") for w in out] == [1e-3, None, 2e-3] and "gemm_s" not in out[1]
@@ -715,6 +749,21 @@ def test_calibrates_check_reads_the_probes_after_its_windows(monkeypatch):
     assert check["gemm_speed"] == pytest.approx(1.1) and check["dispatch_speed"] == pytest.approx(1.0 / 0.9)
     assert check["speeds"] == [1.2, 0.9, 1.1] and check["dispatch_s"] == [1.0, 0.8, 0.9]
     assert check["windows_dispatch_s"] == [1.0, 1.0, 0.95] and slept == [E.CHECK_PAUSE_S] * 2
+
+
+def test_calibrate_measures_another_window_when_either_probe_finds_a_spell():
+    """The check's verdict: the GEMMs at 1.08x or more, or the dispatch probe at 1.25x or more (its
+    readings spread more), each alone. Catches: both required, one threshold for both, a strict
+    comparison, the thresholds swapped."""
+    from tensorpar.bench.calibrate import met_spell
+    from tensorpar.bench.host_speed import DISPATCH_CEIL, PROFILE_SLOW
+
+    assert (PROFILE_SLOW, DISPATCH_CEIL) == (1.08, 1.25)
+    for gemm, dispatch, found in ((1.0, 1.0, False), (1.08, 1.0, True), (1.07, 1.24, False), (1.0, 1.25, True),
+                                  (1.2, 1.2, True), (0.9, 1.3, True)):
+        assert met_spell({"gemm_speed": gemm, "dispatch_speed": dispatch}) == found, (gemm, dispatch)
+    assert met_spell({"gemm_speed": 1.0, "dispatch_speed": 1.0}, (0.0, float("inf")))
+    assert met_spell({"gemm_speed": 1.0, "dispatch_speed": 1.0}, (float("inf"), 0.0))
 
 
 def test_a_block_cost_is_the_least_of_its_rounds():

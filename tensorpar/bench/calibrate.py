@@ -27,7 +27,7 @@ windows of a few seconds).
   collectives by their own fit; on the host each norm first reads 4 MiB past the caches, as a
   real model's weights leave them (:class:`~tensorpar.bench.calibrate_costs.ColdCaches`, the
   reads' time taken out); its rounds are
-  spread over the same three windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
+  spread over the same windows as the rates (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`);
 - **collectives**: all-reduce, all-gather, reduce-scatter, broadcast and a point-to-point send,
   over shared memory and over gloo, in groups of 2 to ``ranks``, payloads 8 B to 16 MiB; fitted to
   ``alpha + n beta`` (alpha from the small payloads, beta from the large: :func:`~tensorpar.bench.calibrate_links.fit_link`), the
@@ -59,7 +59,7 @@ from tensorpar.bench.calibrate_costs import (COLD_BYTES, OPTIMIZER_SHAPES, QUICK
                                              BlockCosts, ColdCaches, collective_wait, optimizer_rate, wait_points)
 from tensorpar.bench.calibrate_links import (PAYLOADS, LatencySamples, _latency_of, _links_by, fit_link, link_groups,
                                              link_points)
-from tensorpar.bench.host_speed import DISPATCH_CEIL, PROFILE_SLOW, DispatchProbe, calibration_check
+from tensorpar.bench.host_speed import DISPATCH_CEIL, PROFILE_SLOW, DispatchProbe, calibration_check, probe_shapes
 from tensorpar.bench.timing import spread
 from tensorpar.planner.hardware import Hardware
 from tensorpar.planner.profile import Gemm, Link, Profile
@@ -141,17 +141,24 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     """Every rank's measurements (each rank gets all of them): in each of three windows the rates
     and collectives (:func:`_rates`) then rounds of the fixed costs
     (:class:`~tensorpar.bench.calibrate_costs.BlockCosts`), the wait at a collective before the
-    last; each rate the median of the windows', each fixed cost the least over every round. ``quick``: the
+    last (and a fourth window where the check below finds a spell); each rate the median of the
+    windows', each fixed cost the least over every round. ``quick``: the
     fixed costs of the split and unsplit models only, at batch 1, over 1 and 2 blocks, short
     samples, in two windows, the rates in the first only, the wait at two lengths of work (a
     smoke run).
 
     On the host, then, a check (:func:`~tensorpar.bench.host_speed.calibration_check`): where the
     host probes as fast as ``spell`` times its speed during the windows or more (its GEMMs, its
-    dispatch probe: the bench's ``PROFILE_SLOW`` and ``DISPATCH_CEIL``, the second noisier: one quiet
-    calibration's dispatch readings spread 0.52-0.85 ms), the windows met a slow spell, and one more window (the float32 rates, ``AGAIN_ROUNDS``
-    rounds of the fixed costs) joins them: each rate the median over four windows, each fixed cost
-    the least over every round, which a round outside the spell sets."""
+    dispatch probe: the bench's ``PROFILE_SLOW`` and ``DISPATCH_CEIL``, the second noisier: one
+    quiet calibration's dispatch readings spread 0.52-0.85 ms), the windows met a slow spell, and
+    one more window (the float32 rates, the wait, ``AGAIN_ROUNDS`` rounds of the fixed costs)
+    joins them: each rate is then the median over the windows the spell spared (:func:`spared`:
+    their probe GEMMs within ``PROFILE_SLOW`` of the fastest window's), the wait the new window's,
+    each fixed cost the least over every round. Not the rates' median over all four windows: a
+    decode at batch 1 is mostly its weights' GEMMs, and in one calibration that found a spell
+    (2026-12-05 14:01) the new window's least decode block was 111 us, but the median over four
+    windows kept the GEMMs 12% slow, the wait from the third window at 0.84 ms a token (0.2-0.5
+    quiet), and the decode came out at 0.80 of its estimate."""
     torch.set_num_threads(1)
     device = dist.rank_device()  # its GPU under NCCL, else the host
     t0 = time.perf_counter()
@@ -162,21 +169,22 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
     grid = dict(m_sizes=m_sizes, nk_sizes=nk_sizes, payloads=payloads, device=device,
                 groups=link_groups(dist.get_world_size(), device),
                 optimizer_shapes=QUICK_OPTIMIZER if quick else OPTIMIZER_SHAPES)
-    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0, "check": 0.0}, [], {}, {}
+    took, passes, blocks, mine = {"rates": 0.0, "blocks": 0.0, "wait": 0.0, "check": 0.0, "again": 0.0}, [], {}, {}
     latency = LatencySamples(grid["groups"], device)
     probe = DispatchProbe(device) if device.type == "cpu" else None  # a GPU's host queues kernels: no check
-    dispatch = []
 
-    def window(i: int, rounds: int, rates: dict, rate_repeats: int, wait: bool) -> None:
+    def window(i: int, rounds: int, rates: dict, rate_repeats: int, wait: bool, part: str | None = None) -> float:
+        """One window (``part``: the key of ``took`` its whole time goes to, if not by part); the
+        dispatch probe's reading after it (None on a GPU)."""
         t = time.perf_counter()
         if rates:
             passes.append({**_rates(rates, **grid, repeats=rate_repeats), "window": i})
-        took["rates"] += time.perf_counter() - t
+        took[part or "rates"] += time.perf_counter() - t
         t = time.perf_counter()
         if wait:
             mine["wait"] = {tr: wait_points(tr, repeats, device, m_sizes=WAIT_M[:2] if quick else WAIT_M)
                             for tr in ("shm", "gloo")}
-        took["wait"] += time.perf_counter() - t
+        took[part or "wait"] += time.perf_counter() - t
         t = time.perf_counter()
         if not blocks:
             cold = ColdCaches(device)
@@ -184,36 +192,48 @@ def calibrate_worker(m_sizes=M_SIZES, nk_sizes=NK_SIZES, payloads=PAYLOADS, repe
         for costs in blocks.values():
             costs.rounds(rounds)
             latency.take()
-        took["blocks"] += time.perf_counter() - t
-        if probe is not None:
-            dispatch.append(probe())
+        took[part or "blocks"] += time.perf_counter() - t
+        return None if probe is None else probe()
 
     windows = spread(repeats, 2 if quick else 3)
     first = list(dtypes)[:1]  # the other dtypes once: fp64 on a host, bf16 on a GPU
-    for i, rounds in enumerate(windows):
-        window(i, rounds, {k: dtypes[k] for k in (dtypes if i == 0 else first)} if i == 0 or not quick else {},
-               repeats if i == 0 else min(repeats, LATER_REPEATS), wait=i == len(windows) - 1 and device.type == "cpu")
+    passes_kept = None  # every window's, unless the check finds a spell
+    dispatch = [window(i, rounds, {k: dtypes[k] for k in (dtypes if i == 0 else first)} if i == 0 or not quick else {},
+                       repeats if i == 0 else min(repeats, LATER_REPEATS),
+                       wait=i == len(windows) - 1 and device.type == "cpu")
+                for i, rounds in enumerate(windows)]
     if probe is not None:
         t = time.perf_counter()
         points = _median_of_passes(passes)["gemm"][first[0]]
         slowest = torch.tensor([p[3] for p in points], dtype=torch.float64)
         dist.all_reduce(slowest, op="max")  # the profile's points are the slowest rank's
         check = calibration_check([[*p[:3], t_] for p, t_ in zip(points, slowest.tolist())], dispatch, probe)
-        again = torch.tensor([float(check["gemm_speed"] >= spell[0] or check["dispatch_speed"] >= spell[1])])
+        again = torch.tensor([float(met_spell(check, spell))])
         dist.broadcast(again, 0)  # one decision: the window is collective
         mine["check"] = {**check, "again": bool(again.item())}
         took["check"] += time.perf_counter() - t
         if mine["check"]["again"]:
             windows = [*windows, AGAIN_ROUNDS]
-            window(len(windows) - 1, AGAIN_ROUNDS, {k: dtypes[k] for k in first}, min(repeats, LATER_REPEATS),
-                   wait=False)
+            # the dispatch probe after it too: whether the spell had ended (the window's GEMMs: by_window)
+            mine["check"]["again_dispatch_s"] = window(len(windows) - 1, AGAIN_ROUNDS, {k: dtypes[k] for k in first},
+                                                       min(repeats, LATER_REPEATS), wait=True, part="again")
+            kept = spared(passes, first[0])
+            mine["check"]["kept_windows"] = [passes[j]["window"] for j in kept]
+            passes_kept = [passes[j] for j in kept]
     mine.update({"blocks": {kind: costs.costs() for kind, costs in blocks.items()}, "device": device.type,
                  "latency": latency.samples,
                  "by_window": _by_window(passes, blocks.get("split"), windows),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                 **_median_of_passes(passes), "seconds": time.perf_counter() - t0,
+                 **_median_of_passes(passes, passes_kept), "seconds": time.perf_counter() - t0,
                  "seconds_by_part": {k: round(v, 2) for k, v in took.items()}})  # where calibrate's time went
     return dist.all_gather_object(mine)
+
+
+def met_spell(check: dict, spell: tuple = (PROFILE_SLOW, DISPATCH_CEIL)) -> bool:
+    """Whether :func:`~tensorpar.bench.host_speed.calibration_check`'s figures say the windows met
+    a slow spell: the GEMMs ``spell[0]`` or more times as fast right after them, or the dispatch
+    probe ``spell[1]`` or more."""
+    return check["gemm_speed"] >= spell[0] or check["dispatch_speed"] >= spell[1]
 
 
 def _by_window(passes: list, split, windows: list) -> list:
@@ -232,10 +252,8 @@ def _by_window(passes: list, split, windows: list) -> list:
         if i in of:
             w["alpha_s"] = {tr: fit_link(ops["all_reduce"][2])["alpha_s"] for tr, ops in of[i]["links"].items()
                             if 2 in ops["all_reduce"]}
-            pts = of[i]["gemm"]["fp32"]
-            nk = max({(n_, k) for _, n_, k, _ in pts}, key=lambda x: (x[0] * x[1], x))
-            ms = sorted((p for p in pts if (p[1], p[2]) == nk), key=lambda p: p[0])
-            w["gemm_s"] = {f"{p[0]}x{nk[0]}x{nk[1]}": p[3] for p in (ms[0], ms[-1])}
+            t = {tuple(p[:3]): p[3] for p in of[i]["gemm"]["fp32"]}
+            w["gemm_s"] = {"x".join(map(str, shape)): t[shape] for shape in probe_shapes(t)}
         out.append(w)
     return out
 
@@ -264,16 +282,31 @@ def _other(nk_sizes) -> tuple:
     return tuple(nk for nk in nk_sizes if nk in OTHER_NK) or tuple(nk_sizes)
 
 
-def _median_of_passes(passes: list) -> dict:
+def _median_of_passes(passes: list, kept: list | None = None) -> dict:
     """``{"gemm", "memory", "optimizer", "links"}``: each GEMM point's, the memory and optimizer
-    rates', each collective point's median over the passes that measured them."""
-    gemm = {}
+    rates', each collective point's median over the passes that measured them, among ``kept``
+    where given (:func:`spared`; a dtype only the first window measured keeps its pass)."""
+    use, gemm = kept or passes, {}
     for k, pts in passes[0]["gemm"].items():
-        mine = [p["gemm"][k] for p in passes if k in p["gemm"]]
+        mine = [p["gemm"][k] for p in use if k in p["gemm"]] or [p["gemm"][k] for p in passes if k in p["gemm"]]
         gemm[k] = [[*pt[:3], statistics.median(q[i][3] for q in mine)] for i, pt in enumerate(pts)]
-    return {"gemm": gemm, "memory": statistics.median(p["memory"] for p in passes),
-            "optimizer": statistics.median(p["optimizer"] for p in passes),
-            "links": _links_by([p["links"] for p in passes], statistics.median)}
+    return {"gemm": gemm, "memory": statistics.median(p["memory"] for p in use),
+            "optimizer": statistics.median(p["optimizer"] for p in use),
+            "links": _links_by([p["links"] for p in use], statistics.median)}
+
+
+def spared(passes: list, dtype: str = "fp32") -> list:
+    """The indices of the passes a slow spell spared: those whose probe GEMMs (``dtype``'s,
+    :func:`~tensorpar.bench.host_speed.probe_shapes`; the slowest rank's, so that every rank keeps
+    the same) took at most ``PROFILE_SLOW`` times the fastest pass's, their geometric mean."""
+    times = []
+    for p in passes:
+        t = {tuple(q[:3]): q[3] for q in p["gemm"][dtype]}
+        times.append([t[shape] for shape in probe_shapes(t)])
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op="max")
+    speed = slowest.log().mean(dim=1).exp().tolist()
+    return [j for j, t in enumerate(speed) if t <= min(speed) * PROFILE_SLOW]
 
 
 def profile_of(per_rank: list, *, ranks: int, seconds: float, quick: bool) -> Profile:

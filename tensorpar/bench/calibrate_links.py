@@ -29,7 +29,8 @@ def fit_link(points: list, latency=()) -> dict:
     ``alpha`` is the median time of the small payloads (``LEAST`` to ``SMALL`` bytes: there the
     bytes cost nothing, and a transport's latency is often bimodal, which a straight line through
     every size would average away; below ``LEAST``, a payload of an element or two a rank, gloo
-    takes a faster path than any layer's collective); with ``latency``'s samples of them
+    takes a faster path than any layer's collective, which only a grid without larger small
+    payloads and without ``latency`` falls back on); with ``latency``'s samples of them
     (:class:`LatencySamples`: the same payloads right after the fixed costs' rounds), the mean of
     the two contexts' medians, each weighing alike however many samples it has: a layer's
     collective comes after its own work, and over gloo it costs between the two (below).
@@ -43,10 +44,10 @@ def fit_link(points: list, latency=()) -> dict:
     estimate with the samples in one median (36 of its 39 values); re-estimated from the same
     profiles, at 0.78-1.06 with the grid's median alone and at 0.93-1.14 with the mean of the two.
     Over shared memory the two contexts agree within a few microseconds."""
-    more = [s for n, s in latency if LEAST <= n <= SMALL]
-    small = ([s for n, s in points if LEAST <= n <= SMALL] or [s for n, s in points if n <= SMALL]
-             or [min(s for _, s in points)])
-    alpha = float(statistics.median(small) if not more else (statistics.median(small) + statistics.median(more)) / 2)
+    contexts = [statistics.median(c) for c in ([s for n, s in points if LEAST <= n <= SMALL],
+                                               [s for n, s in latency if LEAST <= n <= SMALL]) if c]
+    alpha = float(statistics.mean(contexts) if contexts else
+                  statistics.median([s for n, s in points if n <= SMALL] or [min(s for _, s in points)]))
     large = [(s - alpha) / n for n, s in points if n >= LARGE and s > alpha]
     beta = float(statistics.median(large)) if large else 0.0
     t = np.array([s for _, s in points])
@@ -84,9 +85,10 @@ def link_points(groups: dict, payloads, repeats: int, device="cpu") -> dict:
 class LatencySamples:
     """The all-reduce's small payloads (``LEAST`` to ``SMALL``: 64 B, 512 B and 4 KiB) timed at
     more moments than the three windows' grids: :meth:`take` once after each kind's rounds of the
-    fixed costs, 12 moments in a full calibration (4 kinds in 3 windows; 4 in a quick one), a
-    sample 32 back-to-back calls (~50 ms over gloo), kept per transport and group size for
-    :func:`fit_link`'s ``alpha``: the median of these 36 samples is one of its two contexts, the
+    fixed costs, 12 moments in a full calibration (4 kinds in 3 windows; 16 where calibrate's check
+    adds a window; 4 in a quick one), a sample 32 back-to-back calls (~50 ms over gloo), kept per
+    transport and group size for :func:`fit_link`'s ``alpha``: the median of these samples (36 of
+    them in a full calibration) is one of its two contexts, the
     grid's (among the other collectives) the other (``by_window``'s alpha is each window's grid
     alone). Gloo's latency over loopback jumps between 0.8 and 2.1 ms within seconds: the
     windows' grids alone, three moments of about a second each, put its ``alpha`` at 1.25-1.92 ms

@@ -107,9 +107,7 @@ class HostSpeed:
         self.slowdowns: dict = {}  # {sample name: [dispatch before each]}: the rows' diagnostic
         self.shapes, self.ref, self.calls = [], [], []
         if self.usable:
-            n, k = max({(n, k) for _, n, k in points}, key=lambda nk: (nk[0] * nk[1], nk))
-            ms = sorted(m for m, pn, pk in points if (pn, pk) == (n, k))
-            self.shapes = [(ms[0], n, k), (ms[-1], n, k)]
+            self.shapes = probe_shapes(points)
             self.ref = [points[shape] for shape in self.shapes]
             for m, n, k in self.shapes:
                 copies = max(1, COLD_BYTES // (n * k * 4))
@@ -157,6 +155,15 @@ class HostSpeed:
             self.budget_s -= SETTLE_POLL_S
             speed = self()
         return speed, waited
+
+
+def probe_shapes(points) -> list:
+    """The probe's two GEMMs among ``points`` (``[m, n, k, ...]`` or ``(m, n, k)`` keys): the
+    largest weight at its least and its most ``m`` (bound by memory, bound by arithmetic)."""
+    shapes = {tuple(p[:3]) for p in points}
+    n, k = max({(n, k) for _, n, k in shapes}, key=lambda nk: (nk[0] * nk[1], nk))
+    ms = sorted(m for m, pn, pk in shapes if (pn, pk) == (n, k))
+    return [(ms[0], n, k), (ms[-1], n, k)]
 
 
 def calibration_check(points: list, windows_dispatch_s: list, probe: DispatchProbe, readings: int = CHECK_READINGS,

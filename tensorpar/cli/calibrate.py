@@ -50,7 +50,7 @@ def summary(profile) -> str:
     if profile.optimizer_s_per_param:
         lines.append(f"- an optimizer step (clipping, AdamW): {profile.optimizer_s_per_param * 1e9:.2f} ns per parameter")
     if windows := profile.measured.get("by_window"):
-        lines.append("- by window (start, middle, end; the profile keeps the rates' median, the fixed costs' least "
+        lines.append("- by window (start, middle, end, and the check's where it found a spell; the profile keeps the rates' median, the fixed costs' least "
                      "over every round, and alpha from more moments): " + "; ".join(
             f"{name} " + " / ".join(f"{w[part][key] * scale:.{digits}f}" if key in w.get(part, {}) else "-" for w in windows)
             + unit for name, part, key, scale, digits, unit in (
